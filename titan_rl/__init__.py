@@ -1,0 +1,1 @@
+"""RL post-training (GRPO and friends) on Titan's training base."""
