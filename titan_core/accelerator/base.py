@@ -1,0 +1,142 @@
+"""The Accelerator interface: everything Titan asks of a device kind.
+
+The shape follows slime's accelerator registry (``slime/utils/accelerator``) so a slime or
+miles user finds the same names; device-specific code lives only in this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+
+class Accelerator(ABC):
+    """One device kind (cuda, musa, cpu)."""
+
+    name: str = "abstract"
+    #: torch device type used for tensors (``"cuda"``, ``"musa"``, ``"cpu"``).
+    device_type: str = "cpu"
+    #: environment variable that restricts visible devices, if the kind has one.
+    visible_devices_env: str | None = None
+
+    # ---- identity and placement -------------------------------------------------------
+    @abstractmethod
+    def is_available(self) -> bool: ...
+
+    @abstractmethod
+    def device(self, index: int | None = None) -> torch.device: ...
+
+    def device_name(self, index: int | None = None) -> str:
+        return str(self.device(index))
+
+    @abstractmethod
+    def set_device(self, index: int) -> None: ...
+
+    @abstractmethod
+    def current_device(self) -> int: ...
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    def distributed_device_id(self, local_rank: int) -> torch.device | None:
+        """The ``device_id`` to pass to ``init_process_group`` (None where not applicable)."""
+        return None
+
+    def resolve_visible_device_id(self, local_rank: int) -> int:
+        return local_rank % max(self.device_count(), 1)
+
+    # ---- sync, streams, events -----------------------------------------------------------
+    @abstractmethod
+    def synchronize(self, device: Any = None) -> None: ...
+
+    @abstractmethod
+    def current_stream(self, device: Any = None) -> Any: ...
+
+    def default_stream(self, device: Any = None) -> Any:
+        return self.current_stream(device)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def Stream(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
+        raise NotImplementedError(f"{self.name} has no streams")
+
+    def Event(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802 - torch's name
+        raise NotImplementedError(f"{self.name} has no events")
+
+    # ---- memory ----------------------------------------------------------------------
+    @abstractmethod
+    def empty_cache(self) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self, device: Any = None) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def memory_allocated(self, device: Any = None) -> int: ...
+
+    @abstractmethod
+    def memory_reserved(self, device: Any = None) -> int: ...
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        return self.memory_allocated(device)
+
+    def ipc_collect(self) -> None:
+        return None
+
+    def get_device_properties(self, device: Any = None) -> Any:
+        return None
+
+    def memory_stats(self) -> dict[str, int]:
+        """A small, uniform set of memory figures for metrics.jsonl."""
+        free, total = self.mem_get_info()
+        return {
+            "mem/allocated": self.memory_allocated(),
+            "mem/reserved": self.memory_reserved(),
+            "mem/max_allocated": self.max_memory_allocated(),
+            "mem/free": free,
+            "mem/total": total,
+        }
+
+    # ---- RNG -------------------------------------------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.manual_seed(seed)
+
+    def get_rng_state(self, device: Any = None) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: torch.Tensor, device: Any = None) -> None:
+        torch.set_rng_state(state)
+
+    # ---- capabilities and communication ------------------------------------------------
+    def supports(self, capability: str) -> bool:
+        """Capabilities: requires_cpu_initialization, fused_kernels, transformer_engine,
+        deep_ep, ipc_handles, pin_memory, fp8."""
+        return False
+
+    def autocast(self, dtype: torch.dtype | None = None, enabled: bool = True) -> Any:
+        return torch.autocast(device_type=self.device_type, dtype=dtype, enabled=enabled)
+
+    @abstractmethod
+    def communication_backend(self, default: str | None = None) -> str:
+        """The torch.distributed backend for training process groups."""
+
+    def weight_update_backend(self, default: str | None = None) -> str:
+        """The backend for trainer -> rollout engine weight broadcast groups."""
+        return self.communication_backend(default)
+
+    def post_import_torch(self) -> None:
+        """Hook run once at start-up, after torch is imported (MUSA loads torchada here)."""
+
+    @property
+    def accelerator_module(self) -> Any:
+        """The torch submodule for this kind (``torch.cuda``, ``torch.musa``), if any."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"<Accelerator {self.name} device_type={self.device_type}>"

@@ -1,0 +1,220 @@
+"""Where megatron-core's CUDA assumptions are answered on MUSA and CPU. Applied once.
+
+megatron-core has no accelerator abstraction: it calls ``torch.cuda`` hundreds of times,
+creates tensors with ``device="cuda"`` and moves modules with ``.cuda()``. Titan answers
+those calls here and nowhere else, in one explicit step, :func:`install_megatron_compat`,
+called by ``titan_core.parallel.initialize`` at start-up (never at import time):
+
+* **cuda**: nothing to do (megatron-core's native target). Where Transformer Engine is
+  absent, megatron-core 0.16.1's router references ``te_general_gemm`` without defining
+  it; it is defined as ``None`` so the router takes its torch path.
+* **musa**: ``torchada`` (Moore Threads' adapter, loaded by the accelerator's
+  ``post_import_torch``) already makes torch_musa answer ``torch.cuda.*``,
+  ``device="cuda"`` and ``nccl``; only the ``te_general_gemm`` fix applies.
+* **cpu**: the full list of ../shared/reference/megatron-on-cpu.md, each item below:
+
+  1. ``torch.cuda.current_device/synchronize/empty_cache/memory_*`` -> the CPU backend.
+  2. RNG: ``torch.cuda.{get,set}_rng_state/manual_seed(_all)`` and megatron's
+     ``tensor_parallel.random._{get,set}_cuda_rng_state`` -> the CPU generator, so the
+     model-parallel RNG tracker forks and restores the generator CPU ops really use.
+  3. Tensor factories with ``device="cuda"`` (or an int index): a ``TorchFunctionMode``
+     rewrites the device to CPU and drops ``pin_memory``; ``Tensor.cuda``/``Module.cuda``
+     return CPU objects.
+  4. ``torch.cuda.Stream/Event/current_stream/stream/default_stream`` -> inert CPU
+     stand-ins; ``Tensor.record_stream`` is a no-op on CPU tensors.
+  5. ``pin_memory`` (offloading) is a no-op without a driver.
+  6. MoE all-to-all: ``moe_utils.maybe_move_tensor_to_cpu`` also converts CPU tensors to
+     numpy when asked, so split sizes are lists, as on GPU.
+  7. ``torch.cuda.nvtx.range_push/range_pop/range`` -> no-ops.
+  8. ``moe_utils.te_general_gemm`` -> ``None`` without Transformer Engine.
+  9. Type strings: the optimizer and gradient clipping check ``t.type() ==
+     "torch.cuda.FloatTensor"``; argument-less ``Tensor.type()`` of a CPU tensor answers
+     with the ``torch.cuda.*`` name (with an argument it converts, as always).
+
+Everything patched is recorded, so :func:`uninstall_megatron_compat` restores it (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from titan_core.accelerator.base import Accelerator
+
+_PATCHES: list[tuple[Any, str, Any]] = []
+_MODE: TorchFunctionMode | None = None
+_INSTALLED_FOR: str | None = None
+_MISSING = object()
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _PATCHES.append((owner, name, getattr(owner, name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def _is_accel_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CpuDeviceMode(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` (and int device indices) to CPU in every torch call."""
+
+    def __torch_function__(self, func: Callable, types: Any, args: Any = (), kwargs: Any = None):
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None and _is_accel_device(device):
+                kwargs = dict(kwargs)
+                kwargs["device"] = "cpu"
+            if kwargs.get("pin_memory"):
+                kwargs = dict(kwargs)
+                kwargs["pin_memory"] = False
+        if args and func is torch.Tensor.to and _is_accel_device(args[1] if len(args) > 1 else None):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **(kwargs or {}))
+
+
+def _cpu_rng_get(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_rng_set(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(state.cpu() if state.device.type != "cpu" else state)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _install_cpu(accel: Accelerator) -> None:
+    global _MODE
+    cuda = torch.cuda
+    # 1. device queries, sync, memory
+    _patch(cuda, "current_device", accel.current_device)
+    _patch(cuda, "set_device", _noop)
+    _patch(cuda, "synchronize", _noop)
+    _patch(cuda, "empty_cache", _noop)
+    _patch(cuda, "memory_allocated", lambda *a, **k: accel.memory_allocated())
+    _patch(cuda, "max_memory_allocated", lambda *a, **k: accel.max_memory_allocated())
+    _patch(cuda, "memory_reserved", lambda *a, **k: accel.memory_reserved())
+    _patch(cuda, "max_memory_reserved", lambda *a, **k: accel.memory_reserved())
+    _patch(cuda, "reset_peak_memory_stats", _noop)
+    _patch(cuda, "mem_get_info", lambda *a, **k: accel.mem_get_info())
+    # 2. RNG
+    _patch(cuda, "get_rng_state", _cpu_rng_get)
+    _patch(cuda, "set_rng_state", _cpu_rng_set)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
+    _patch(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
+    _patch(cuda, "manual_seed_all", _noop)
+    random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
+    _patch(random_mod, "_get_cuda_rng_state", lambda *a, clone=False, **k: _cpu_rng_get().clone())
+    _patch(random_mod, "_set_cuda_rng_state", lambda state, *a, **k: _cpu_rng_set(state))
+    # 3. factories and .cuda()
+    _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+    _MODE = _CpuDeviceMode()
+    _MODE.__enter__()
+    # 4. streams and events
+    _patch(cuda, "Stream", accel.Stream)
+    _patch(cuda, "Event", accel.Event)
+    _patch(cuda, "current_stream", accel.current_stream)
+    _patch(cuda, "default_stream", accel.default_stream)
+    _patch(cuda, "stream", lambda s=None: contextlib.nullcontext())
+    original_record_stream = torch.Tensor.record_stream
+
+    def record_stream(self: torch.Tensor, stream: Any) -> None:
+        if self.device.type != "cpu":
+            original_record_stream(self, stream)
+
+    _patch(torch.Tensor, "record_stream", record_stream)
+    # 9. type strings
+    original_type = torch.Tensor.type
+
+    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = original_type(self, *args, **kwargs)
+        if (
+            not args
+            and not kwargs
+            and self.device.type == "cpu"
+            and result.startswith("torch.")
+            and not result.startswith("torch.cuda.")  # torch-function dispatch re-enters
+        ):
+            return "torch.cuda." + result[len("torch.") :]
+        return result
+
+    _patch(torch.Tensor, "type", tensor_type)
+    # 5. pinned memory
+    _patch(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    # 7. nvtx
+    nvtx = importlib.import_module("torch.cuda.nvtx")
+    _patch(nvtx, "range_push", _noop)
+    _patch(nvtx, "range_pop", _noop)
+    _patch(nvtx, "range", lambda *a, **k: contextlib.nullcontext())
+    _patch(nvtx, "mark", _noop)
+    # 6. MoE all-to-all split sizes
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    original_move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy() if as_numpy else tensor
+        return original_move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    _patch(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    for name in ("token_dispatcher", "experts"):
+        with contextlib.suppress(ImportError):
+            mod = importlib.import_module(f"megatron.core.transformer.moe.{name}")
+            if hasattr(mod, "maybe_move_tensor_to_cpu"):
+                _patch(mod, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
+def _install_te_gemm_fallback() -> None:
+    # 8. megatron-core 0.16.1 references te_general_gemm in the router even without TE.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _patch(moe_utils, "te_general_gemm", None)
+
+
+def install_megatron_compat(accel: Accelerator) -> None:
+    """Answer megatron-core's CUDA calls with ``accel``. Idempotent; once per process."""
+    global _INSTALLED_FOR
+    if _INSTALLED_FOR is not None:
+        if _INSTALLED_FOR != accel.name:
+            raise RuntimeError(
+                f"megatron compat is installed for {_INSTALLED_FOR}, cannot switch to {accel.name}"
+            )
+        return
+    accel.post_import_torch()
+    _install_te_gemm_fallback()
+    if accel.device_type == "cpu":
+        _install_cpu(accel)
+    _INSTALLED_FOR = accel.name
+
+
+def uninstall_megatron_compat() -> None:
+    """Undo :func:`install_megatron_compat` (for tests that switch backends)."""
+    global _MODE, _INSTALLED_FOR
+    if _MODE is not None:
+        _MODE.__exit__(None, None, None)
+        _MODE = None
+    while _PATCHES:
+        owner, name, old = _PATCHES.pop()
+        if old is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, old)
+    _INSTALLED_FOR = None
+
+
+def megatron_compat_installed() -> str | None:
+    """The accelerator name the compat layer was installed for, or None."""
+    return _INSTALLED_FOR

@@ -1,0 +1,115 @@
+"""Registry of accelerator backends, in the shape of slime's.
+
+Selection order: ``TITAN_ACCELERATOR`` (or slime's ``SLIME_ACCELERATOR``) if set; else
+``MUSA_VISIBLE_DEVICES`` / ``MUSA_PATCH_PATH`` mean musa; else the available backend with
+the highest priority (musa 200, cuda 100, cpu 0).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from titan_core.accelerator.base import Accelerator
+
+
+@dataclass
+class _Entry:
+    name: str
+    factory: Callable[[], Accelerator]
+    is_available: Callable[[], bool] | None
+    priority: int
+    communication_backends: tuple[str, ...] = field(default_factory=tuple)
+
+    def available(self) -> bool:
+        if self.is_available is not None:
+            return bool(self.is_available())
+        return self.factory().is_available()
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_CURRENT: Accelerator | None = None
+
+
+class AcceleratorError(RuntimeError):
+    """The requested accelerator is unknown or unavailable."""
+
+
+def register_accelerator(
+    name: str,
+    factory: Callable[[], Accelerator],
+    is_available: Callable[[], bool] | None = None,
+    priority: int = 0,
+    communication_backends: tuple[str, ...] | list[str] = (),
+) -> None:
+    """Register (or replace) a backend under ``name``."""
+    _REGISTRY[name] = _Entry(name, factory, is_available, priority, tuple(communication_backends))
+    reset_accelerator()
+
+
+def registered_accelerators() -> dict[str, int]:
+    """Name -> priority of every registered backend."""
+    return {n: e.priority for n, e in _REGISTRY.items()}
+
+
+def reset_accelerator() -> None:
+    """Forget the selected backend (tests, or after changing the environment)."""
+    global _CURRENT
+    _CURRENT = None
+
+
+def _requested_name() -> str | None:
+    for var in ("TITAN_ACCELERATOR", "SLIME_ACCELERATOR"):
+        value = os.environ.get(var, "").strip().lower()
+        if value:
+            return value
+    if "musa" in _REGISTRY and (
+        os.environ.get("MUSA_VISIBLE_DEVICES") or os.environ.get("MUSA_PATCH_PATH")
+    ):
+        return "musa"
+    return None
+
+
+def select_accelerator_name() -> str:
+    """The backend name the selection rules give, without instantiating it."""
+    requested = _requested_name()
+    if requested is not None:
+        if requested not in _REGISTRY:
+            raise AcceleratorError(
+                f"TITAN_ACCELERATOR={requested!r} is not a registered accelerator; "
+                f"choose one of {sorted(_REGISTRY)}"
+            )
+        return requested
+    for entry in sorted(_REGISTRY.values(), key=lambda e: -e.priority):
+        if entry.available():
+            return entry.name
+    raise AcceleratorError("no accelerator is available (the cpu backend was unregistered?)")
+
+
+def get_accelerator() -> Accelerator:
+    """The process's accelerator, chosen once and cached."""
+    global _CURRENT
+    if _CURRENT is None:
+        name = select_accelerator_name()
+        accel = _REGISTRY[name].factory()
+        if not accel.is_available():
+            raise AcceleratorError(
+                f"accelerator {name!r} was requested but is not available on this machine; "
+                "unset TITAN_ACCELERATOR to pick one automatically"
+            )
+        _CURRENT = accel
+    return _CURRENT
+
+
+def _register_builtins() -> None:
+    from titan_core.accelerator.cpu import CpuAccelerator
+    from titan_core.accelerator.cuda import CudaAccelerator
+    from titan_core.accelerator.musa import MusaAccelerator
+
+    register_accelerator("musa", MusaAccelerator, priority=200, communication_backends=("mccl",))
+    register_accelerator("cuda", CudaAccelerator, priority=100, communication_backends=("nccl",))
+    register_accelerator("cpu", CpuAccelerator, priority=0, communication_backends=("gloo",))
+
+
+_register_builtins()

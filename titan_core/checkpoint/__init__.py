@@ -1,0 +1,5 @@
+"""Checkpoints with megatron-core ``dist_checkpointing`` (reshardable across layouts)."""
+
+from titan_core.checkpoint.dist import latest_iteration, load_checkpoint, save_checkpoint
+
+__all__ = ["latest_iteration", "load_checkpoint", "save_checkpoint"]

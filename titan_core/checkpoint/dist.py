@@ -1,0 +1,124 @@
+"""Save and load with megatron-core ``dist_checkpointing``.
+
+Layout on disk (Megatron's):  ``<dir>/iter_0000050/`` (one dist checkpoint) and
+``<dir>/latest_checkpointed_iteration.txt``. The tracker file is written last, atomically,
+after every rank has finished writing, so a process killed during a save never leaves a
+checkpoint that resume would pick up. Tensors are saved as ``ShardedTensor`` with their
+global shape and offset, so a checkpoint saved at TP=2 loads at TP=1 (or any PP/VPP/EP).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: str | Path | None) -> int | None:
+    """The newest complete checkpoint's iteration under ``root``, or None."""
+    if root is None:
+        return None
+    tracker = Path(root) / TRACKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{tracker} should hold an iteration number, not {text!r}")
+    iteration = int(text)
+    if not iteration_dir(root, iteration).is_dir():
+        raise FileNotFoundError(f"{tracker} names iteration {iteration} but its folder is missing")
+    return iteration
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _model_state(model: list, is_loading: bool = False) -> dict[str, Any]:
+    if len(model) == 1:
+        return {"model": model[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def _full_state(model: list, optimizer: Any, is_loading: bool) -> dict[str, Any]:
+    state = _model_state(model)
+    if optimizer is not None:
+        model_state = {}
+        for v in state.values():
+            model_state.update(v)
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    return state
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    model: list,
+    optimizer: Any,
+    common: dict[str, Any],
+    keep_last: int = 0,
+) -> Path:
+    """Save model (+ optimizer) shards and ``common`` (step, scheduler, data position)."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, iteration)
+    if _rank() == 0:
+        if path.exists():  # a save of this iteration that never completed
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
+    _barrier()
+    state = _full_state(model, optimizer, is_loading=False)
+    state["common"] = common
+    dist_checkpointing.save(state, str(path))
+    _barrier()
+    if _rank() == 0:
+        tmp = Path(root) / f".{TRACKER}.tmp"
+        tmp.write_text(str(iteration))
+        os.replace(tmp, Path(root) / TRACKER)
+        if keep_last:
+            _prune(Path(root), keep_last, iteration)
+    _barrier()
+    return path
+
+
+def _prune(root: Path, keep_last: int, current: int) -> None:
+    iters = sorted(
+        int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()
+    )
+    complete = [i for i in iters if i <= current]
+    for i in complete[:-keep_last]:
+        shutil.rmtree(iteration_dir(root, i), ignore_errors=True)
+
+
+def load_checkpoint(
+    root: str | Path, iteration: int, model: list, optimizer: Any | None
+) -> dict[str, Any]:
+    """Load shards into ``model`` (and ``optimizer`` if given); return the common state."""
+    from megatron.core import dist_checkpointing
+
+    path = iteration_dir(root, iteration)
+    state = _full_state(model, optimizer, is_loading=True)
+    state["common"] = {}
+    loaded = dist_checkpointing.load(state, str(path))
+    if len(model) == 1:
+        model[0].load_state_dict(loaded["model"])
+    else:
+        for i, chunk in enumerate(model):
+            chunk.load_state_dict(loaded[f"model{i}"])
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    return loaded.get("common", {})

@@ -1,0 +1,290 @@
+"""The pretraining config: Megatron's own argument names, grouped in sections.
+
+A megatron user finds ``--num-layers`` as ``model.num_layers``, ``--tensor-model-parallel-size``
+as ``parallel.tensor_model_parallel_size`` and so on. Layout checks that need the world
+size (divisibility by TP x PP x CP, ...) run in :func:`check_layout` before any process
+group starts.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt, model_validator
+
+from titan_core.config.loader import ConfigError, Section
+
+
+class ModelConfig(Section):
+    num_layers: PositiveInt = 4
+    hidden_size: PositiveInt = 128
+    num_attention_heads: PositiveInt = 4
+    num_query_groups: PositiveInt | None = None
+    ffn_hidden_size: PositiveInt | None = None
+    kv_channels: PositiveInt | None = None
+    seq_length: PositiveInt = 128
+    max_position_embeddings: PositiveInt | None = None
+    #: None: the tokenizer's vocabulary size, padded to ``make_vocab_size_divisible_by`` x TP.
+    vocab_size: PositiveInt | None = None
+    make_vocab_size_divisible_by: PositiveInt = 128
+    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
+    norm_epsilon: float = 1e-5
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
+    rotary_base: float = 10000.0
+    swiglu: bool = True
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    init_method_std: float = Field(0.02, gt=0)
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+    # MoE
+    num_moe_experts: PositiveInt | None = None
+    moe_router_topk: PositiveInt = 2
+    moe_ffn_hidden_size: PositiveInt | None = None
+    moe_shared_expert_intermediate_size: PositiveInt | None = None
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = (
+        "aux_loss"
+    )
+    moe_aux_loss_coeff: float = Field(1e-2, ge=0)
+    moe_router_dtype: Literal["fp32", "fp64"] | None = "fp32"
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: Literal["allgather", "alltoall", "flex"] = "alltoall"
+    moe_flex_dispatcher_backend: Literal["deepep", "hybridep"] = "deepep"
+    moe_layer_freq: PositiveInt = 1
+    #: "local" (megatron-core's torch layers), "transformer_engine", or "auto" (TE if present).
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"model.num_query_groups ({self.num_query_groups})"
+            )
+        if self.num_moe_experts and self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"model.moe_router_topk ({self.moe_router_topk}) exceeds "
+                f"model.num_moe_experts ({self.num_moe_experts})"
+            )
+        return self
+
+
+class ParallelConfig(Section):
+    tensor_model_parallel_size: PositiveInt = 1
+    pipeline_model_parallel_size: PositiveInt = 1
+    virtual_pipeline_model_parallel_size: PositiveInt | None = None
+    context_parallel_size: PositiveInt = 1
+    expert_model_parallel_size: PositiveInt = 1
+    expert_tensor_parallel_size: PositiveInt | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    overlap_p2p_comm: bool = False
+    #: megatron's EP comm/compute overlap (needs EP > 1, alltoall/flex, bf16, VPP when PP > 1).
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    #: pipeline P2P transport: torch.distributed (gloo/nccl/mccl) or Mooncake.
+    p2p_backend: Literal["torch", "mooncake"] = "torch"
+    distributed_timeout_minutes: PositiveInt = 10
+
+
+class TrainConfig(Section):
+    micro_batch_size: PositiveInt = 8
+    global_batch_size: PositiveInt = 32
+    train_iters: PositiveInt = 200
+    lr: float = Field(1e-3, gt=0)
+    min_lr: float = Field(1e-4, ge=0)
+    lr_warmup_iters: int = Field(20, ge=0)
+    lr_decay_iters: PositiveInt | None = None
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
+    weight_decay: float = Field(0.01, ge=0)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.95, ge=0, lt=1)
+    adam_eps: float = Field(1e-8, gt=0)
+    clip_grad: float = Field(1.0, ge=0)
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    log_interval: PositiveInt = 1
+    eval_interval: PositiveInt | None = None
+    eval_iters: PositiveInt = 4
+    #: FP8 training through Transformer Engine ("e4m3" / "hybrid"); GPU only.
+    fp8: Literal["e4m3", "hybrid"] | None = None
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "blockwise"
+    #: megatron's fine-grained activation offloading of these modules (1F1B / VPP aware).
+    offload_modules: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.bf16 and self.fp16:
+            raise ValueError("train.bf16 and train.fp16 are exclusive; set one of them")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr}) exceeds train.lr ({self.lr})")
+        decay = self.lr_decay_iters or self.train_iters
+        if self.lr_warmup_iters >= decay:
+            raise ValueError(
+                f"train.lr_warmup_iters ({self.lr_warmup_iters}) must be below the decay length "
+                f"(train.lr_decay_iters or train.train_iters = {decay}); lower lr_warmup_iters"
+            )
+        return self
+
+
+class DataConfig(Section):
+    #: arithmetic: generated a+b=c corpus (learnable, no download); indexed: Megatron
+    #: .bin/.idx files from ``titan_core.data.preprocess``; synthetic: a fixed random-walk
+    #: corpus for tests.
+    type: Literal["arithmetic", "indexed", "synthetic"] = "arithmetic"
+    #: Megatron blend: ["path_prefix"] or ["w1", "prefix1", "w2", "prefix2"].
+    data_path: list[str] = Field(default_factory=list)
+    split: str = "98,2,0"
+    tokenizer_type: Literal["byte", "hf"] = "byte"
+    tokenizer_model: str | None = None
+    #: arithmetic corpus: digits per operand and number of problems.
+    num_digits: PositiveInt = 3
+    num_samples: PositiveInt = 200_000
+    cache_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.type == "indexed" and not self.data_path:
+            raise ValueError("data.data_path is required when data.type=indexed")
+        if self.tokenizer_type == "hf" and not self.tokenizer_model:
+            raise ValueError(
+                "data.tokenizer_model (a tokenizer.json file or HF directory) is required "
+                "when data.tokenizer_type=hf"
+            )
+        return self
+
+
+class CheckpointConfig(Section):
+    #: save every N steps (0: only at the end).
+    save_interval: int = Field(50, ge=0)
+    #: where to save; default ``<run.dir>/checkpoints``.
+    save: str | None = None
+    #: where to resume from; default: the save directory (auto-resume).
+    load: str | None = None
+    #: keep this many newest checkpoints (0: all).
+    keep_last: int = Field(2, ge=0)
+    #: resume automatically from the latest complete checkpoint.
+    auto_resume: bool = True
+    #: start from these model weights (a checkpoint folder holding the tracker file) when
+    #: there is nothing to resume; the step count, optimizer and data start afresh.
+    pretrained_checkpoint: str | None = None
+    #: dist_checkpointing format ("torch_dist" is resharding-capable).
+    format: Literal["torch_dist"] = "torch_dist"
+
+
+class ProfileConfig(Section):
+    #: global steps to profile, e.g. [3, 4]; empty: off.
+    steps: list[PositiveInt] = Field(default_factory=list)
+    #: default ``<run.dir>/traces``.
+    dir: str | None = None
+    with_stack: bool = False
+
+
+class RunConfig(Section):
+    dir: str = "runs/pretrain"
+    name: str | None = None
+
+
+class PretrainConfig(Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _check_static_layout(self) -> PretrainConfig:
+        p, m = self.parallel, self.model
+        stages = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+        if m.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers ({m.num_layers}) must be divisible by "
+                f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+                f"({stages})"
+            )
+        if p.virtual_pipeline_model_parallel_size and p.pipeline_model_parallel_size < 2:
+            raise ValueError(
+                "parallel.virtual_pipeline_model_parallel_size needs "
+                "parallel.pipeline_model_parallel_size >= 2"
+            )
+        if m.num_attention_heads % p.tensor_model_parallel_size:
+            raise ValueError(
+                f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by "
+                f"parallel.tensor_model_parallel_size ({p.tensor_model_parallel_size})"
+            )
+        if p.expert_model_parallel_size > 1:
+            if not m.num_moe_experts:
+                raise ValueError(
+                    "parallel.expert_model_parallel_size > 1 needs an MoE model: set "
+                    "model.num_moe_experts"
+                )
+            if m.num_moe_experts % p.expert_model_parallel_size:
+                raise ValueError(
+                    f"model.num_moe_experts ({m.num_moe_experts}) must be divisible by "
+                    f"parallel.expert_model_parallel_size ({p.expert_model_parallel_size})"
+                )
+        if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+        if self.train.global_batch_size % self.train.micro_batch_size:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({self.train.micro_batch_size})"
+            )
+        if p.overlap_moe_expert_parallel_comm and not (self.train.bf16 or self.train.fp16):
+            raise ValueError("parallel.overlap_moe_expert_parallel_comm needs train.bf16=true")
+        return self
+
+
+def check_layout(cfg: PretrainConfig, world_size: int) -> int:
+    """Check the layout against the world size; return the data-parallel size.
+
+    Runs before any process group is created, so a bad layout costs nothing.
+    """
+    p, t = cfg.parallel, cfg.train
+    model_parallel = (
+        p.tensor_model_parallel_size * p.pipeline_model_parallel_size * p.context_parallel_size
+    )
+    if world_size % model_parallel:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by tensor x pipeline x context parallel "
+            f"size ({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size} x "
+            f"{p.context_parallel_size} = {model_parallel}); change parallel.* or the number "
+            "of processes"
+        )
+    dp = world_size // model_parallel
+    etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+    expert_mp = etp * p.expert_model_parallel_size * p.pipeline_model_parallel_size
+    if p.expert_model_parallel_size > 1 and world_size % expert_mp:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by expert tensor x expert model x "
+            f"pipeline parallel size ({expert_mp}); change parallel.expert_model_parallel_size"
+        )
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+            f"train.micro_batch_size x data-parallel size ({t.micro_batch_size} x {dp}); "
+            "change train.global_batch_size"
+        )
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if (
+        p.virtual_pipeline_model_parallel_size
+        and num_micro % p.pipeline_model_parallel_size
+    ):
+        raise ConfigError(
+            f"interleaved pipelining needs the number of microbatches ({num_micro}) to be a "
+            f"multiple of parallel.pipeline_model_parallel_size "
+            f"({p.pipeline_model_parallel_size}); change train.global_batch_size"
+        )
+    return dp

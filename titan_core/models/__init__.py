@@ -1,0 +1,1 @@
+"""megatron-core GPT and MoE models built from Titan's config."""

@@ -1,0 +1,172 @@
+"""Build megatron-core ``GPTModel`` chunks (one per virtual pipeline stage) from config.
+
+On CPU (and wherever Transformer Engine is absent) the local layer spec is used; with TE
+present and ``model.transformer_impl`` auto or transformer_engine, the TE spec, which is
+also what FP8 needs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+
+from titan_core.accelerator import Accelerator
+from titan_core.config.loader import ConfigError
+from titan_core.config.pretrain import PretrainConfig
+
+
+def use_transformer_engine(cfg: PretrainConfig, accel: Accelerator) -> bool:
+    impl = cfg.model.transformer_impl
+    te_present = accel.device_type != "cpu" and importlib.util.find_spec("transformer_engine")
+    if impl == "transformer_engine" and not te_present:
+        raise ConfigError(
+            "model.transformer_impl=transformer_engine but Transformer Engine is not usable "
+            f"here (accelerator {accel.name}); install titan[gpu] on a GPU machine or use local"
+        )
+    return bool(impl != "local" and te_present)
+
+
+def padded_vocab_size(vocab_size: int, cfg: PretrainConfig) -> int:
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> TransformerConfig:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    te = use_transformer_engine(cfg, accel)
+    if t.fp8 and not te:
+        raise ConfigError(
+            f"train.fp8={t.fp8} needs Transformer Engine on a GPU (accelerator: {accel.name}); "
+            "unset train.fp8"
+        )
+    if m.moe_token_dispatcher_type == "flex" and not accel.supports("deep_ep"):
+        raise ConfigError(
+            "model.moe_token_dispatcher_type=flex needs DeepEP on a GPU; use alltoall here"
+        )
+    dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    on_cpu = accel.device_type == "cpu"
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size or (4 * m.hidden_size if not m.swiglu else None),
+        kv_channels=m.kv_channels,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=m.add_bias_linear,
+        add_qkv_bias=m.add_qkv_bias,
+        qk_layernorm=m.qk_layernorm,
+        init_method_std=m.init_method_std,
+        hidden_dropout=m.hidden_dropout,
+        attention_dropout=m.attention_dropout,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        sequence_parallel=p.sequence_parallel,
+        overlap_p2p_comm=p.overlap_p2p_comm and p.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=not (p.overlap_p2p_comm and p.virtual_pipeline_model_parallel_size),
+        overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm,
+        delay_wgrad_compute=p.delay_wgrad_compute,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=t.bf16,
+        fp16=t.fp16,
+        use_cpu_initialization=accel.supports("requires_cpu_initialization"),
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False if on_cpu else m.swiglu,
+        masked_softmax_fusion=not on_cpu,
+        persist_layer_norm=not on_cpu,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=not on_cpu,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=True,
+    )
+    if m.num_moe_experts:
+        kwargs.update(
+            num_moe_experts=m.num_moe_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+            moe_router_load_balancing_type=m.moe_router_load_balancing_type,
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_router_dtype=m.moe_router_dtype,
+            moe_grouped_gemm=m.moe_grouped_gemm,
+            moe_token_dispatcher_type=m.moe_token_dispatcher_type,
+            moe_layer_freq=m.moe_layer_freq,
+        )
+        if m.moe_token_dispatcher_type == "flex":
+            kwargs["moe_flex_dispatcher_backend"] = m.moe_flex_dispatcher_backend
+    if t.fp8:
+        kwargs.update(fp8=t.fp8, fp8_recipe=t.fp8_recipe)
+    if t.offload_modules:
+        kwargs.update(fine_grained_activation_offloading=True, offload_modules=t.offload_modules)
+    try:
+        return TransformerConfig(**kwargs)
+    except (AssertionError, ValueError) as e:  # megatron validates in __post_init__
+        raise ConfigError(f"megatron-core rejected the model/parallel config: {e}") from None
+
+
+def _layer_spec(cfg: PretrainConfig, tf: TransformerConfig, te: bool, vp_stage: int | None):
+    m = cfg.model
+    if m.num_moe_experts and m.moe_layer_freq != 1:
+        return get_gpt_decoder_block_spec(
+            tf, use_transformer_engine=te, normalization=m.normalization, vp_stage=vp_stage
+        )
+    if te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=m.num_moe_experts,
+            moe_grouped_gemm=m.moe_grouped_gemm,
+            qk_layernorm=m.qk_layernorm,
+        )
+    return get_gpt_layer_local_spec(
+        num_experts=m.num_moe_experts,
+        moe_grouped_gemm=m.moe_grouped_gemm,
+        qk_layernorm=m.qk_layernorm,
+        normalization=m.normalization,
+    )
+
+
+def build_model_chunks(
+    cfg: PretrainConfig, tf: TransformerConfig, vocab_size: int, accel: Accelerator
+) -> list[GPTModel]:
+    """The model chunks this rank holds (one, or one per virtual pipeline stage)."""
+    te = use_transformer_engine(cfg, accel)
+    vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+    stages = list(range(vpp)) if vpp else [None]
+    chunks = []
+    for vp_stage in stages:
+        model = GPTModel(
+            config=tf,
+            transformer_layer_spec=_layer_spec(cfg, tf, te, vp_stage),
+            vocab_size=vocab_size,
+            max_sequence_length=cfg.model.max_position_embeddings or cfg.model.seq_length,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+            position_embedding_type=cfg.model.position_embedding_type,
+            rotary_base=int(cfg.model.rotary_base),
+            vp_stage=vp_stage,
+        )
+        model.to(accel.device())
+        chunks.append(model)
+    return chunks

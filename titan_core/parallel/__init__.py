@@ -1,0 +1,1 @@
+"""Distributed start-up and the TP/PP/VPP/EP/DP layout."""

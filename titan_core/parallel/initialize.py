@@ -1,0 +1,98 @@
+"""Start-up: check the layout, pick the accelerator, create process groups, seed RNGs."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from titan_core.accelerator import Accelerator, get_accelerator
+from titan_core.accelerator.megatron_compat import install_megatron_compat
+from titan_core.config.pretrain import PretrainConfig, check_layout
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def dist_env() -> DistEnv:
+    """Rank, world size and local rank from torchrun's environment (1 process without it)."""
+    return DistEnv(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_random_seed(seed: int, pp_rank: int) -> None:
+    """Megatron's seeding: per pipeline stage offset, then the model-parallel RNG tracker."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * pp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(cfg: PretrainConfig) -> tuple[Accelerator, DistEnv, int]:
+    """Everything before the model: returns (accelerator, env, data-parallel size).
+
+    The layout is checked against the world size first, so a bad config fails before any
+    process group starts.
+    """
+    from megatron.core import parallel_state
+
+    env = dist_env()
+    dp = check_layout(cfg, env.world_size)
+    accel = get_accelerator()
+    install_megatron_compat(accel)
+    accel.set_device(accel.resolve_visible_device_id(env.local_rank))
+    p = cfg.parallel
+    if not dist.is_initialized():
+        if env.world_size == 1:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(
+            backend=accel.communication_backend(),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timedelta(minutes=p.distributed_timeout_minutes),
+            device_id=accel.distributed_device_id(env.local_rank),
+        )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
+        expert_tensor_parallel_size=p.expert_tensor_parallel_size,
+        distributed_timeout_minutes=p.distributed_timeout_minutes,
+    )
+    set_random_seed(cfg.train.seed, parallel_state.get_pipeline_model_parallel_rank())
+    return accel, env, dp
+
+
+def shutdown() -> None:
+    """Destroy megatron's groups and the default process group."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""``python -m titan_core.pretrain --config FILE.yaml [key.sub=value ...]`` (also under torchrun).
+
+Trains a dense or MoE GPT with megatron-core on MUSA, CUDA or CPU (chosen automatically,
+or by ``TITAN_ACCELERATOR``). Writes ``<run.dir>/metrics.jsonl`` and checkpoints, and
+resumes from the last complete checkpoint when started again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+from titan_core.config import ConfigError, load_config
+from titan_core.config.pretrain import PretrainConfig
+
+EXIT_CONFIG_ERROR = 2
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
+    ap = argparse.ArgumentParser(
+        prog="python -m titan_core.pretrain",
+        description="Train a GPT with megatron-core. Overrides: key.sub=value, e.g. train.lr=3e-4",
+    )
+    ap.add_argument("--config", help="YAML config (see examples/)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = ap.parse_args(argv)
+    return args.config, args.overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    config_path, overrides = parse_args(argv)
+    try:
+        cfg = load_config(PretrainConfig, config_path, overrides)
+        from titan_core.config.pretrain import check_layout
+
+        check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    return run(cfg)
+
+
+def run(cfg: PretrainConfig) -> int:
+    """Train with a validated config; returns the process exit code."""
+    warnings.filterwarnings("ignore", module="megatron")
+    from titan_core.parallel.initialize import initialize, shutdown
+    from titan_core.training.loop import Trainer
+
+    try:
+        accel, env, dp = initialize(cfg)
+        if env.rank == 0:
+            p = cfg.parallel
+            print(
+                f"titan pretrain: {accel.name}, world {env.world_size} = "
+                f"TP{p.tensor_model_parallel_size} x PP{p.pipeline_model_parallel_size}"
+                f"{f' (VPP{p.virtual_pipeline_model_parallel_size})' if p.virtual_pipeline_model_parallel_size else ''}"
+                f" x DP{dp}"
+                f"{f', EP{p.expert_model_parallel_size}' if p.expert_model_parallel_size > 1 else ''}"
+                f"; run dir {cfg.run.dir}",
+                flush=True,
+            )
+        Trainer(cfg, accel, dp).train()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Slow ranks: late arrival at collectives (after clock-offset correction) and compute
+outliers per step.
+
+Clock offsets: members of a collective finish it at (nearly) the same true time, so each
+rank's offset is the median, over its collectives and P2P transfers, of how much later its
+end timestamps are than the median end of the other members.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from titan_core.trace.breakdown import RankResult
+from titan_core.trace.matching import Key
+
+
+def clock_offsets(
+    results: list[RankResult], parts: dict[Key, list[tuple[int, int]]]
+) -> dict[int, float]:
+    by_rank = {r.rank: r for r in results}
+    offsets = {r.rank: 0.0 for r in results}
+    for _ in range(3):
+        resid: dict[int, list[float]] = defaultdict(list)
+        for members in parts.values():
+            if len(members) < 2:
+                continue
+            ends = np.array([by_rank[r].comm_ops[i].end - offsets[r] for r, i in members])
+            med = float(np.median(ends))
+            for (r, _), e in zip(members, ends, strict=True):
+                resid[r].append(e - med)
+        if not resid:
+            break
+        for r, v in resid.items():
+            offsets[r] += float(np.median(v))
+        shift = float(np.median(list(offsets.values())))
+        offsets = {r: o - shift for r, o in offsets.items()}
+    return offsets
+
+
+def late_arrivals(
+    results: list[RankResult], parts: dict[Key, list[tuple[int, int]]], offsets: dict[int, float]
+) -> dict[int, dict[str, float]]:
+    """Per rank: how often it arrived last at a collective and the wait it caused
+    (its corrected arrival minus the median arrival of the members)."""
+    by_rank = {r.rank: r for r in results}
+    stats: dict[int, dict[str, float]] = defaultdict(lambda: {"last": 0, "delay_us": 0.0, "n": 0})
+    for key, members in parts.items():
+        if key[0] != "c" or len(members) < 2:
+            continue
+        arr = np.array([by_rank[r].comm_ops[i].ts - offsets[r] for r, i in members])
+        j = int(np.argmax(arr))
+        for r, _ in members:
+            stats[r]["n"] += 1
+        r_last = members[j][0]
+        stats[r_last]["last"] += 1
+        stats[r_last]["delay_us"] += float(arr[j] - np.median(arr))
+    return stats
+
+
+def compute_outliers(
+    results: list[RankResult], peer_class: dict[int, Any]
+) -> dict[int, dict[str, float]]:
+    """Steps where a rank's compute time is far above its peers' (same pipeline stage)."""
+    table: dict[tuple[Any, int], list[tuple[int, int]]] = defaultdict(list)
+    for r in results:
+        for s in r.steps:
+            table[(peer_class.get(r.rank, 0), s.step)].append((r.rank, s.computation))
+    out: dict[int, dict[str, float]] = defaultdict(lambda: {"steps": 0, "excess_us": 0.0})
+    for vals in table.values():
+        if len(vals) < 3:
+            continue
+        x = np.array([v for _, v in vals], dtype=float)
+        med = float(np.median(x))
+        mad = float(np.median(np.abs(x - med))) * 1.4826
+        for (rank, v), xv in zip(vals, x, strict=True):
+            if xv > med * 1.05 and (mad == 0 or (xv - med) / mad > 3.0):
+                out[rank]["steps"] += 1
+                out[rank]["excess_us"] += xv - med
+                out[rank]["median_us"] = med
+    return out
+
+
+def slow_ranks(
+    results: list[RankResult],
+    parts: dict[Key, list[tuple[int, int]]],
+    offsets: dict[int, float],
+    peer_class: dict[int, Any],
+) -> list[dict[str, Any]]:
+    """Ranks ordered by severity (the step time they cost, in us), with the evidence."""
+    late = late_arrivals(results, parts, offsets)
+    comp = compute_outliers(results, peer_class)
+    med_step = float(np.median([s.end - s.start for r in results for s in r.steps] or [0]))
+    out = []
+    for r in results:
+        lt, co = late.get(r.rank), comp.get(r.rank)
+        n = lt["n"] if lt else 0
+        members = max(2, np.median([len(m) for m in parts.values()] or [2]))
+        # arriving last more often than chance, with a visible delay
+        late_flag = lt is not None and n > 0 and lt["last"] / n > 2.0 / members and lt["delay_us"] > 0
+        comp_flag = co is not None and co["steps"] > 0
+        if not (late_flag or comp_flag):
+            continue
+        severity = (lt["delay_us"] if late_flag else 0.0) + (co["excess_us"] if comp_flag else 0.0)
+        if severity < 0.005 * med_step:
+            continue
+        evidence: dict[str, Any] = {"clock_offset_us": round(offsets.get(r.rank, 0.0), 1)}
+        if late_flag:
+            evidence["last_arrivals"] = int(lt["last"])
+            evidence["collectives"] = int(n)
+            evidence["late_delay_us"] = round(lt["delay_us"], 1)
+        if comp_flag:
+            evidence["compute_outlier_steps"] = int(co["steps"])
+            evidence["compute_excess_us"] = round(co["excess_us"], 1)
+            evidence["peer_median_compute_us"] = round(co.get("median_us", 0.0), 1)
+        out.append({"rank": r.rank, "severity_us": round(severity, 1), "evidence": evidence})
+    out.sort(key=lambda e: -e["severity_us"])
+    return out

@@ -1,0 +1,1 @@
+"""The pretraining loop over megatron-core: DDP, optimizer, schedules, metrics."""

@@ -1,0 +1,251 @@
+"""The pretraining loop: megatron-core's schedules, DDP and optimizer, Titan's bookkeeping."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from titan_core.accelerator import Accelerator
+from titan_core.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from titan_core.config.pretrain import PretrainConfig
+from titan_core.data.gpt import build_gpt_datasets, microbatches
+from titan_core.data.tokenizer import build_tokenizer
+from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.training.metrics import MetricsWriter, format_status
+from titan_core.training.optim import build_optimizer, build_scheduler
+from titan_core.training.profiling import StepProfiler
+
+
+def wrap_model(cfg: PretrainConfig, tf, chunks: list) -> list:  # noqa: ANN001
+    """Float16Module for bf16/fp16, then megatron-core's DDP, as megatron's get_model does."""
+    if cfg.train.bf16 or cfg.train.fp16:
+        chunks = [Float16Module(tf, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=cfg.train.bf16 or cfg.train.fp16,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        overlap_param_gather=cfg.parallel.overlap_param_gather,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(tf, ddp_config, c, disable_bucketing=(i > 0))
+        for i, c in enumerate(chunks)
+    ]
+    for w in wrapped:
+        w.broadcast_params()
+    return wrapped
+
+
+def configure_schedule_hooks(tf, model: list, optimizer) -> None:  # noqa: ANN001
+    """The hooks megatron's schedules call: grad sync control, finalize, loss scaling."""
+    no_sync = [m.no_sync for m in model]
+    tf.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+    if model[0].ddp_config.overlap_grad_reduce:
+        grad_sync = [m.start_grad_sync for m in model]
+        tf.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if model[0].ddp_config.overlap_param_gather:
+        param_sync = [m.start_param_sync for m in model]
+        tf.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+    tf.finalize_model_grads_func = finalize_model_grads
+    tf.grad_scale_func = optimizer.scale_loss
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):  # noqa: ANN201
+    """Token-mean cross entropy of one microbatch, as megatron's pretrain_gpt reports it."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.float().reshape(-1)
+    loss = torch.sum(losses * mask) / torch.clamp(mask.sum(), min=1.0)
+    # clone: the schedule divides the returned loss in place by the number of microbatches
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def make_forward_step(device: torch.device):  # noqa: ANN201
+    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        vp = getattr(model, "vp_stage", None)
+        with torch.profiler.record_function(f"titan/microbatch/fwd/vs{vp or 0}"):
+            output = model(tokens, position_ids, None, labels=labels)
+        return output, partial(loss_func, loss_mask)
+
+    return forward_step
+
+
+def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+    """The step's mean loss, the same on every rank (averaged over DP on the last stage)."""
+    reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    value = torch.zeros(2, dtype=torch.float64)
+    if reporter and losses:
+        value[0] = torch.stack([x["lm loss"].double().cpu() for x in losses]).mean()
+        value[1] = 1.0
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return float(value[0] / value[1].clamp(min=1))
+
+
+class Trainer:
+    """Builds everything from a config, then ``train()`` runs until ``train.train_iters``."""
+
+    def __init__(self, cfg: PretrainConfig, accel: Accelerator, dp_size: int) -> None:
+        self.cfg = cfg
+        self.accel = accel
+        self.dp_size = dp_size
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        t = cfg.train
+        self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        self.vocab_size = padded_vocab_size(vocab, cfg)
+        self.tf = build_transformer_config(cfg, accel)
+        chunks = build_model_chunks(cfg, self.tf, self.vocab_size, accel)
+        self.model = wrap_model(cfg, self.tf, chunks)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        configure_schedule_hooks(self.tf, self.model, self.optimizer)
+        self.run_dir = Path(cfg.run.dir)
+        self.save_dir = Path(cfg.checkpoint.save or self.run_dir / "checkpoints")
+        self.step = 0
+        self.consumed_samples = 0
+        self.resumed_from: int | None = None
+
+    # ---- checkpoints ---------------------------------------------------------------
+    def maybe_resume(self) -> None:
+        ck = self.cfg.checkpoint
+        load_dir = Path(ck.load) if ck.load else self.save_dir
+        iteration = latest_iteration(load_dir) if ck.auto_resume else None
+        if iteration is not None:
+            common = load_checkpoint(load_dir, iteration, self.model, self.optimizer)
+            self.step = int(common["step"])
+            self.consumed_samples = int(common["consumed_samples"])
+            self.scheduler.load_state_dict(common["scheduler"])
+            self.resumed_from = iteration
+            self._say(f"resumed from {load_dir} at step {self.step}")
+        elif ck.pretrained_checkpoint:
+            root = Path(ck.pretrained_checkpoint)
+            it = latest_iteration(root)
+            if it is None:
+                raise FileNotFoundError(
+                    f"checkpoint.pretrained_checkpoint {root} holds no complete checkpoint "
+                    f"(no {root}/latest_checkpointed_iteration.txt)"
+                )
+            load_checkpoint(root, it, self.model, optimizer=None)
+            self._say(f"initialized weights from {root} (iteration {it})")
+
+    def save(self) -> None:
+        common: dict[str, Any] = {
+            "step": self.step,
+            "consumed_samples": self.consumed_samples,
+            "scheduler": self.scheduler.state_dict(),
+            "config": self.cfg.model_dump(mode="json"),
+        }
+        save_checkpoint(
+            self.save_dir,
+            self.step,
+            self.model,
+            self.optimizer,
+            common,
+            keep_last=self.cfg.checkpoint.keep_last,
+        )
+        self._say(f"saved checkpoint {self.save_dir}/iter_{self.step:07d}")
+
+    # ---- training ------------------------------------------------------------------
+    def data_iterators(self, dataset) -> list:  # noqa: ANN001
+        t = self.cfg.train
+        dp_rank = parallel_state.get_data_parallel_rank()
+        its = [
+            microbatches(
+                dataset,
+                t.micro_batch_size,
+                self.num_microbatches,
+                dp_rank,
+                self.dp_size,
+                self.consumed_samples,
+            )
+            for _ in self.model
+        ]
+        return its if len(its) > 1 else its[0]
+
+    def train_step(self, data_iterator) -> tuple[float, float | None]:  # noqa: ANN001
+        t = self.cfg.train
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=make_forward_step(self.accel.device()),
+            data_iterator=data_iterator,
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=self.num_microbatches,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            decoder_seq_length=self.cfg.model.seq_length,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=t.global_batch_size)
+        return _reduce_loss(losses), (float(grad_norm) if grad_norm is not None else None)
+
+    def train(self) -> list[dict[str, Any]]:
+        cfg, t = self.cfg, self.cfg.train
+        self.maybe_resume()
+        remaining = t.train_iters - self.step
+        train_ds, _ = build_gpt_datasets(
+            cfg, self.tokenizer, max(remaining, 1) * t.global_batch_size + self.consumed_samples, 0
+        )
+        data = self.data_iterators(train_ds)
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        profiler = StepProfiler(cfg, self.rank, self.accel.device_type)
+        tokens_per_step = t.global_batch_size * cfg.model.seq_length
+        history = []
+        if self.step >= t.train_iters:
+            self._say(f"nothing to do: already at step {self.step} of {t.train_iters}")
+        try:
+            for self.step in range(self.step + 1, t.train_iters + 1):  # noqa: B020
+                with profiler.step(self.step):
+                    self.accel.synchronize()
+                    start = time.perf_counter()
+                    loss, grad_norm = self.train_step(data)
+                    self.accel.synchronize()
+                    elapsed = time.perf_counter() - start
+                self.consumed_samples += t.global_batch_size
+                record = {
+                    "step": self.step,
+                    "loss": loss,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / elapsed,
+                    "step_time_s": elapsed,
+                    "consumed_samples": self.consumed_samples,
+                }
+                history.append(record)
+                writer.write(record)
+                if self.step % t.log_interval == 0:
+                    self._say(format_status(record, t.train_iters))
+                interval = cfg.checkpoint.save_interval
+                if (interval and self.step % interval == 0) or self.step == t.train_iters:
+                    self.save()
+        finally:
+            writer.close()
+            profiler.close()
+        return history
+
+    def _say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)

@@ -1,0 +1,61 @@
+"""``metrics.jsonl`` (one JSON object per step) and the one-line progress status."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+class MetricsWriter:
+    """Append-only JSON-lines metrics; line-buffered so a kill loses at most one step."""
+
+    def __init__(self, path: str | Path, enabled: bool = True) -> None:
+        self.path = Path(path)
+        self.enabled = enabled
+        self._f = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._f = open(self.path, "ab")  # noqa: SIM115 - lives as long as the run
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._f is None:
+            return
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
+        self._f.write(orjson.dumps(clean) + b"\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (a torn last line is skipped)."""
+    out = []
+    for line in Path(path).read_bytes().splitlines():
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            continue
+    return out
+
+
+def format_status(record: dict[str, Any], total: int) -> str:
+    """``step  12/200 | loss 1.2345 | lr 1.00e-03 | 12,345 tok/s | 0.41 s/step``."""
+    parts = [f"step {record['step']:>5}/{total}", f"loss {record['loss']:.4f}"]
+    if "lr" in record:
+        parts.append(f"lr {record['lr']:.2e}")
+    if "grad_norm" in record and record["grad_norm"] is not None:
+        parts.append(f"grad {record['grad_norm']:.3f}")
+    if "tokens_per_s" in record:
+        parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
+    if "step_time_s" in record:
+        parts.append(f"{record['step_time_s']:.2f} s/step")
+    return " | ".join(parts)

@@ -1,0 +1,519 @@
+"""The built-in engine's model owner: continuous batching over an HF causal LM on CPU.
+
+One thread owns the model. Between decode steps it runs queued commands (weight updates,
+aborts, pauses) and admits new requests: each group of equal-length prompts is prefilled
+together (no padding), and its KV cache is merged into the running batch, which is kept
+left-padded with a 2D attention mask and explicit per-row position ids. Every decode step
+runs all active requests in one forward. Rows leave as they finish; columns that are padding
+for every remaining row are trimmed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
+
+log = logging.getLogger("titan_rl.engine")
+
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+
+
+@dataclass
+class Sequence:
+    """One sampled completion (a request with ``n`` > 1 is ``n`` sequences)."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    on_done: Callable[[Sequence], None] | None = None
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[list[Any]]] = field(default_factory=list)
+    input_logprobs: list[list[Any]] | None = None
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.perf_counter)
+    finished_at: float = 0.0
+    weight_version: str = ""
+    text: str | None = None
+
+
+def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    if n == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = n
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+
+class Engine:
+    """Loads the model and serves generation and weight updates from one thread."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "auto",
+        context_length: int | None = None,
+        max_running_requests: int = 256,
+        max_prefill_tokens: int = 8192,
+        num_threads: int | None = None,
+        weight_version: str = "default",
+        random_seed: int = 0,
+        load_tokenizer: bool = True,
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(model_path)
+        if not path.is_dir():
+            raise ValueError(f"--model-path {model_path!r} is not a local directory; the CPU engine never downloads")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        config = AutoConfig.from_pretrained(str(path))
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {config.model_type!r} is not supported by the CPU engine; "
+                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            raise ValueError("sliding-window attention layers are not supported by the CPU engine")
+        torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
+                       "float16": torch.float16}[dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        self.model_path = str(path)
+        self.vocab_size = int(self.config.vocab_size)
+        limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        self.context_length = int(context_length or limit or 4096)
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.eos_ids = self._eos_ids()
+        self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
+        self._param_names = set(self.model.state_dict().keys())
+        self._default_gen = torch.Generator().manual_seed(random_seed)
+
+        self._pending: deque[Sequence] = deque()
+        self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.paused = False
+        self.released = False
+        # batch state (engine thread only)
+        self.active: list[Sequence] = []
+        self._cache: Any = None
+        self._mask: torch.Tensor | None = None  # [B, T] long
+        self._pos: torch.Tensor | None = None  # [B] next position per row
+        self._rids: set[str] = set()
+        self.steps = 0
+        self.generated_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="titan-engine", daemon=True)
+        self._thread.start()
+
+    # ---- setup helpers ---------------------------------------------------------------
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list | tuple):
+                ids.update(int(x) for x in src)
+        return ids
+
+    @staticmethod
+    def _load_tokenizer(path: Path) -> Any:
+        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+            return None
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(path))
+        except Exception as e:  # a broken tokenizer should not stop an input_ids-only server
+            log.warning("could not load the tokenizer from %s: %s", path, e)
+            return None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- API used by the HTTP server (any thread) --------------------------------------
+    def make_sequence(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        seed_offset: int = 0,
+        **kw: Any,
+    ) -> Sequence:
+        """Validate a prompt against the context and build a Sequence (raises RequestError)."""
+        if len(prompt) == 0:
+            raise RequestError("input_ids is empty; send at least one token")
+        if len(prompt) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens but the context length is {self.context_length}; "
+                "shorten the prompt"
+            )
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"input_ids contains token {bad[0]} outside the vocabulary (size {self.vocab_size})")
+        max_new = min(params.max_new_tokens, self.context_length - len(prompt))
+        gen = None
+        if params.sampling_seed is not None:
+            gen = torch.Generator().manual_seed((params.sampling_seed + seed_offset) % (2**63))
+        return Sequence(
+            rid=rid or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
+            generator=gen, **kw,
+        )
+
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences; each one's ``on_done`` is called on the engine thread when it ends."""
+        with self._lock:
+            for s in seqs:
+                if s.rid in self._rids:
+                    raise RequestError(f"request id {s.rid!r} is already running; rids must be unique")
+            for s in seqs:
+                self._rids.add(s.rid)
+                self._pending.append(s)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the engine thread between steps (weight updates, aborts, pauses)."""
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        self._wake.set()
+        return fut
+
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._rids)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- commands (engine thread) -------------------------------------------------------
+    def abort(self, rid: str | None, abort_all: bool = False, message: str = "aborted by request") -> int:
+        """Finish matching running or queued sequences with an ``abort`` finish reason."""
+        n = 0
+        with self._lock:
+            kept = deque()
+            while self._pending:
+                s = self._pending.popleft()
+                if abort_all or s.rid == rid or (rid and s.rid.startswith(rid + "_")):
+                    s.finish_reason = {"type": "abort", "message": message}
+                    self._finish(s)
+                    n += 1
+                else:
+                    kept.append(s)
+            self._pending = kept
+        keep = []
+        for i, s in enumerate(self.active):
+            if abort_all or s.rid == rid or (rid and s.rid.startswith(rid + "_")):
+                s.finish_reason = {"type": "abort", "message": message}
+                self._finish(s)
+                n += 1
+            else:
+                keep.append(i)
+        if len(keep) != len(self.active):
+            self._select_rows(keep)
+        return n
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop:
+            self._run_commands()
+            with self._lock:
+                has_pending = bool(self._pending)
+            if self.paused or self.released or (not has_pending and not self.active):
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self.active:
+                        self._decode_step()
+            except Exception as e:  # keep serving: fail what was running, reset the batch
+                log.exception("engine step failed")
+                for s in self.active:
+                    s.error = f"internal engine error: {type(e).__name__}: {e}"
+                    s.finish_reason = {"type": "abort", "message": s.error}
+                    self._finish(s)
+                self._reset_batch()
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                with torch.inference_mode():
+                    fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    def _reset_batch(self) -> None:
+        self.active, self._cache, self._mask, self._pos = [], None, None, None
+
+    def _finish(self, s: Sequence) -> None:
+        s.finished_at = time.perf_counter()
+        s.weight_version = self.weight_version
+        if self.tokenizer is not None:
+            ids = s.output_ids
+            text = self.tokenizer.decode(ids, skip_special_tokens=s.params.skip_special_tokens)
+            matched = (s.finish_reason or {}).get("matched")
+            if isinstance(matched, str) and not s.params.no_stop_trim and matched in text:
+                text = text[: text.rfind(matched)]
+            s.text = text
+        with self._lock:
+            self._rids.discard(s.rid)
+        if s.on_done is not None:
+            try:
+                s.on_done(s)
+            except Exception:  # a dead caller must not kill the engine
+                log.exception("on_done callback failed")
+
+    # ---- prefill --------------------------------------------------------------------------
+    def _admit(self) -> None:
+        with self._lock:
+            room = self.max_running - len(self.active)
+            taken = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+        if not taken:
+            return
+        groups: dict[int, list[Sequence]] = {}
+        for s in taken:
+            groups.setdefault(len(s.prompt), []).append(s)
+        for length, seqs in groups.items():
+            per = max(1, self.max_prefill_tokens // length)
+            for i in range(0, len(seqs), per):
+                self._prefill(seqs[i : i + per])
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _prefill(self, seqs: list[Sequence]) -> None:
+        length = len(seqs[0].prompt)
+        ids = torch.tensor([s.prompt for s in seqs], dtype=torch.long)
+        want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
+        cache = self._new_cache()
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if any(want_input) else 1)
+        logits = out.logits
+        for j, s in enumerate(seqs):
+            if want_input[j]:
+                s.input_logprobs = self._input_logprobs(s, logits[j])
+        last = logits[:, -1, :]
+        live = [j for j, s in enumerate(seqs) if s.max_new > 0]
+        for j, s in enumerate(seqs):
+            if s.max_new <= 0:
+                s.finish_reason = {"type": "length", "length": 0}
+                self._finish(s)
+        if not live:
+            return
+        last = last[live]
+        seqs = [seqs[j] for j in live]
+        tokens = self._next_tokens(last, seqs)
+        kv = [(layer.keys[live], layer.values[live]) for layer in cache.layers]
+        keep = [j for j, s in enumerate(seqs) if not self._append(s, int(tokens[j]))]
+        if not keep:
+            return
+        kv = [(k[keep], v[keep]) for k, v in kv]
+        mask = torch.ones(len(keep), length, dtype=torch.long)
+        pos = torch.full((len(keep),), length, dtype=torch.long)
+        self._merge([seqs[j] for j in keep], kv, mask, pos)
+
+    def _input_logprobs(self, s: Sequence, logits: torch.Tensor) -> list[list[Any]]:
+        temp = s.params.temperature if s.params.temperature >= GREEDY_EPS else 1.0
+        lp = torch.log_softmax(logits[:-1].float() / temp, dim=-1)
+        tok = torch.tensor(s.prompt[1:])
+        vals = lp.gather(1, tok.unsqueeze(1)).flatten().tolist()
+        full: list[list[Any]] = [[None, s.prompt[0], None]] + [
+            [v, t, None] for v, t in zip(vals, s.prompt[1:], strict=True)
+        ]
+        return full[s.logprob_start_len :]
+
+    def _merge(self, seqs: list[Sequence], kv: list[tuple[torch.Tensor, torch.Tensor]],
+               mask: torch.Tensor, pos: torch.Tensor) -> None:
+        if not self.active:
+            self._cache = self._new_cache()
+            for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
+                layer.update(k.contiguous(), v.contiguous())
+            self.active, self._mask, self._pos = list(seqs), mask, pos
+            return
+        t_old, t_new = self._mask.shape[1], mask.shape[1]
+        width = max(t_old, t_new)
+        for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
+            layer.keys = torch.cat([_pad_left(layer.keys, width - t_old, 2), _pad_left(k, width - t_new, 2)])
+            layer.values = torch.cat([_pad_left(layer.values, width - t_old, 2), _pad_left(v, width - t_new, 2)])
+        self._mask = torch.cat([_pad_left(self._mask, width - t_old, 1), _pad_left(mask, width - t_new, 1)])
+        self._pos = torch.cat([self._pos, pos])
+        self.active.extend(seqs)
+
+    # ---- decode ---------------------------------------------------------------------------
+    def _decode_step(self) -> None:
+        bsz = len(self.active)
+        ids = torch.tensor([[s.output_ids[-1]] for s in self.active], dtype=torch.long)
+        mask = torch.cat([self._mask, torch.ones(bsz, 1, dtype=torch.long)], dim=1)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=self._pos.unsqueeze(1),
+            cache=self._cache, use_cache=True,
+        )
+        self._mask = mask
+        self._pos = self._pos + 1
+        self.steps += 1
+        tokens = self._next_tokens(out.logits[:, -1, :], self.active)
+        keep = [i for i, s in enumerate(self.active) if not self._append(s, int(tokens[i]))]
+        if len(keep) != bsz:
+            self._select_rows(keep)
+
+    def _select_rows(self, keep: list[int]) -> None:
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        mask = self._mask[idx]
+        # drop columns that are padding for every remaining row
+        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[idx, :, lead:]
+            layer.values = layer.values[idx, :, lead:]
+        self._mask = mask[:, lead:]
+        self._pos = self._pos[idx]
+        self.active = [self.active[i] for i in keep]
+
+    # ---- sampling -------------------------------------------------------------------------
+    def _stop_ids(self, s: Sequence) -> set[int]:
+        ids = set(s.params.stop_token_ids or [])
+        if not s.params.ignore_eos:
+            ids |= self.eos_ids
+        return ids
+
+    def _adjust_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        logits = logits.float()
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.logit_bias:
+                for tok, bias in p.logit_bias.items():
+                    logits[i, int(tok)] += bias
+            if p.frequency_penalty or p.presence_penalty:
+                if s.output_ids:
+                    counts = torch.bincount(torch.tensor(s.output_ids), minlength=self.vocab_size)
+                    counts = counts[: logits.shape[1]].float()
+                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(s.prompt) | set(s.output_ids)))
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            if len(s.output_ids) < p.min_new_tokens:
+                stops = [t for t in self._stop_ids(s) if t < logits.shape[1]]
+                if stops:
+                    logits[i, stops] = float("-inf")
+        return logits
+
+    def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        logits = self._adjust_logits(logits, seqs)
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._default_gen)
+        want = [i for i, s in enumerate(seqs) if s.return_logprob]
+        if want:
+            idx = torch.tensor(want)
+            vals = logprobs[idx, tokens[idx]].tolist()
+            for i, v in zip(want, vals, strict=True):
+                s = seqs[i]
+                s.output_logprobs.append(v)
+                if s.top_logprobs_num > 0:
+                    tv, ti = logprobs[i].topk(min(s.top_logprobs_num, logprobs.shape[1]))
+                    s.output_top.append([[a, b, None] for a, b in zip(tv.tolist(), ti.tolist(), strict=True)])
+        return tokens
+
+    def _append(self, s: Sequence, token: int) -> bool:
+        """Record a sampled token; return True (and finish the sequence) if it ended."""
+        s.output_ids.append(token)
+        self.generated_tokens += 1
+        n = len(s.output_ids)
+        if n >= s.params.min_new_tokens and token in self._stop_ids(s):
+            s.finish_reason = {"type": "stop", "matched": token}
+        elif n >= s.max_new:
+            s.finish_reason = {"type": "length", "length": n}
+        elif self.tokenizer is not None and s.params.stop_strings() and n >= s.params.min_new_tokens:
+            tail = self.tokenizer.decode(s.output_ids[-32:], skip_special_tokens=False)
+            for stop in s.params.stop_strings():
+                if stop in tail:
+                    s.finish_reason = {"type": "stop", "matched": stop}
+                    break
+        if s.finish_reason is None:
+            return False
+        self._finish(s)
+        return True
+
+    # ---- weights (engine thread, via call()) ----------------------------------------------
+    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model by HF parameter name; all names are checked first."""
+        state = self.model.state_dict()
+        for name, t in named:
+            if name not in state:
+                raise RequestError(f"unknown parameter {name!r}; names must be the HF checkpoint's")
+            if tuple(state[name].shape) != tuple(t.shape):
+                raise RequestError(
+                    f"parameter {name!r} has shape {tuple(state[name].shape)}, got {tuple(t.shape)}"
+                )
+        for name, t in named:
+            state[name].copy_(t)
+        return len(named)
+
+    def param_names(self) -> set[str]:
+        return set(self._param_names)
+
+
+def sequence_result(s: Sequence) -> dict[str, Any]:
+    """The SGLang response object for one finished sequence."""
+    meta: dict[str, Any] = {
+        "id": s.rid,
+        "finish_reason": s.finish_reason,
+        "prompt_tokens": len(s.prompt),
+        "completion_tokens": len(s.output_ids),
+        "cached_tokens": 0,
+        "weight_version": s.weight_version,
+        "e2e_latency": round(max(s.finished_at - s.created, 0.0), 6),
+    }
+    if s.return_logprob:
+        meta["output_token_logprobs"] = [
+            [lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids, strict=False)
+        ]
+        meta["input_token_logprobs"] = s.input_logprobs or []
+        if s.top_logprobs_num > 0:
+            meta["output_top_logprobs"] = s.output_top
+    out: dict[str, Any] = {"output_ids": list(s.output_ids), "meta_info": meta}
+    if s.text is not None:
+        out["text"] = s.text
+    return out
+
+
+__all__ = ["Engine", "Sequence", "sequence_result"]

@@ -1,0 +1,195 @@
+"""Sampling parameters (SGLang's names, defaults and ranges) and the batched sampler.
+
+Logprob definition, read from SGLang's ``srt/layers/sampler.py``: the logprob reported for a
+sampled token is ``log(softmax(logits / temperature))`` at that token, taken after logit bias
+and penalties but *before* top-k / top-p / min-p filtering (no renormalisation), clamped to
+the dtype's finite minimum. Greedy rows (temperature < 1e-6) report ``log_softmax(logits)``.
+With ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in the environment SGLang reports the unscaled
+``log_softmax(logits)`` instead; this engine honours the same variable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+GREEDY_EPS = 1e-6
+
+
+class RequestError(ValueError):
+    """A request the caller got wrong: answered with HTTP 400 and this message."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+RETURN_ORIGINAL_LOGPROB = _env_flag("SGLANG_RETURN_ORIGINAL_LOGPROB")
+
+_UNSUPPORTED = {
+    "json_schema": "constrained decoding (json_schema) is not supported by the built-in CPU engine",
+    "regex": "constrained decoding (regex) is not supported by the built-in CPU engine",
+    "ebnf": "constrained decoding (ebnf) is not supported by the built-in CPU engine",
+    "structural_tag": "structural_tag is not supported by the built-in CPU engine",
+    "stop_regex": "stop_regex is not supported by the built-in CPU engine; use stop or stop_token_ids",
+}
+
+
+class SamplingParams(BaseModel):
+    """One request's ``sampling_params``; unknown keys are rejected as SGLang 0.5.23 does."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+    max_new_tokens: int = Field(128, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    sampling_seed: int | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    n: int = Field(1, ge=1, le=128)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    logit_bias: dict[str, float] | None = None
+    custom_params: dict[str, Any] | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v == 0 or v < -1:
+            raise ValueError("top_k must be -1 (whole vocabulary) or at least 1")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+
+
+def parse_sampling_params(raw: Any, vocab_size: int, where: str = "sampling_params") -> SamplingParams:
+    """Validate one ``sampling_params`` dict; raise RequestError naming the bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RequestError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    try:
+        params = SamplingParams.model_validate(raw)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            key = ".".join(str(p) for p in err["loc"]) or "<root>"
+            if err["type"] == "extra_forbidden":
+                msgs.append(
+                    f"{where}.{key}: unknown sampling parameter (supported: "
+                    f"{', '.join(sorted(SamplingParams.model_fields))})"
+                )
+            else:
+                msgs.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r})")
+        raise RequestError("; ".join(msgs)) from None
+    for key, message in _UNSUPPORTED.items():
+        if getattr(params, key):
+            raise RequestError(f"{where}.{key}: {message}")
+    if params.min_new_tokens > params.max_new_tokens:
+        raise RequestError(
+            f"{where}: min_new_tokens ({params.min_new_tokens}) must not exceed "
+            f"max_new_tokens ({params.max_new_tokens})"
+        )
+    for t in params.stop_token_ids or []:
+        if t >= vocab_size:
+            raise RequestError(f"{where}.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
+    for key in params.logit_bias or {}:
+        try:
+            tid = int(key)
+        except ValueError:
+            raise RequestError(f"{where}.logit_bias: key {key!r} is not a token id") from None
+        if not 0 <= tid < vocab_size:
+            raise RequestError(f"{where}.logit_bias: token {tid} is outside the vocabulary")
+    return params
+
+
+def _filter_probs(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """Zero the probabilities top-k, top-p and min-p exclude (SGLang's torch fallback rule)."""
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(dim=-1)
+    vocab = probs.shape[-1]
+    ranks = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    drop = (cum - sorted_p) > top_p.unsqueeze(1)
+    drop |= ranks >= top_k.unsqueeze(1)
+    drop |= sorted_p < (sorted_p[:, :1] * min_p.unsqueeze(1))
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs)
+    out.scatter_(1, idx, sorted_p)
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (token ids [B], logprobs [B, V] per SGLang's definition).
+
+    Rows with a ``sampling_seed`` draw from their own generator, so their samples do not
+    depend on which other requests share the batch.
+    """
+    logits = logits.float()
+    bsz, vocab = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    greedy = temps < GREEDY_EPS
+    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+    if RETURN_ORIGINAL_LOGPROB:
+        logprobs = torch.log_softmax(logits, dim=-1)
+    else:
+        logprobs = torch.log_softmax(scaled, dim=-1)
+    logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+    next_ids = torch.empty(bsz, dtype=torch.long)
+    if greedy.any():
+        next_ids[greedy] = logits[greedy].argmax(dim=-1)
+    sampled = (~greedy).nonzero().flatten().tolist()
+    if sampled:
+        rows = torch.tensor(sampled)
+        probs = torch.softmax(scaled[rows], dim=-1)
+        top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled])
+        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float32)
+        min_p = torch.tensor([params[i].min_p for i in sampled], dtype=torch.float32)
+        if bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0).any()):
+            probs = _filter_probs(probs, top_k, top_p, min_p)
+        seeded = [j for j, i in enumerate(sampled) if generators[i] is not None]
+        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
+        if unseeded:
+            draw = torch.multinomial(probs[unseeded], 1, generator=default_generator).flatten()
+            next_ids[rows[unseeded]] = draw
+        for j in seeded:
+            i = sampled[j]
+            next_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
+    return next_ids, logprobs

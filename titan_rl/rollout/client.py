@@ -1,0 +1,406 @@
+"""One async HTTP client for SGLang's native API (real SGLang, the router, or the CPU engine).
+
+One connection pool, a concurrency limit on generation, timeouts, and retries with
+exponential backoff and jitter on connection errors and 5xx answers, never on 4xx (those are
+the caller's mistake and come back as :class:`SGLangRequestError` with the server's message).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+RETRY_STATUS = frozenset({500, 502, 503, 504})
+
+
+class SGLangError(RuntimeError):
+    """Base class of the client's errors."""
+
+
+class SGLangRequestError(SGLangError):
+    """The server refused the request (4xx); retrying the same request will not help."""
+
+    def __init__(self, status: int, message: str, path: str) -> None:
+        super().__init__(f"{path}: HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+        self.path = path
+
+
+class SGLangUnavailableError(SGLangError):
+    """The server could not be reached or kept failing (5xx) after all retries."""
+
+
+class WeightUpdateError(SGLangError):
+    """A weight update answered ``success: false``."""
+
+
+@dataclass
+class RetryPolicy:
+    """Retries for connection errors and 5xx; ``max_retries`` extra attempts after the first."""
+
+    max_retries: int = 5
+    initial_backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+    def delay(self, attempt: int) -> float:
+        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt)
+        return base * (1.0 + random.uniform(-self.jitter, self.jitter))
+
+
+@dataclass
+class GenerateOutput:
+    """One completion: the fields an RL loop reads from SGLang's response."""
+
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    weight_version: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    rid: str | None
+    output_logprobs: list[float] | None = None
+    text: str | None = None
+    meta_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finish_type(self) -> str:
+        return str((self.finish_reason or {}).get("type", ""))
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_type == "abort"
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> GenerateOutput:
+        if not isinstance(obj, dict) or "meta_info" not in obj:
+            raise SGLangError(f"unexpected /generate response: {str(obj)[:200]}")
+        meta = obj["meta_info"]
+        logprobs = meta.get("output_token_logprobs")
+        ids = obj.get("output_ids")
+        if ids is None and logprobs is not None:
+            ids = [int(t[1]) for t in logprobs]
+        return cls(
+            output_ids=list(ids or []),
+            finish_reason=meta.get("finish_reason") or {},
+            weight_version=meta.get("weight_version"),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            completion_tokens=int(meta.get("completion_tokens", 0)),
+            rid=meta.get("id"),
+            output_logprobs=None if logprobs is None else [float(t[0]) for t in logprobs],
+            text=obj.get("text"),
+            meta_info=meta,
+        )
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        data = resp.json()
+    except ValueError:
+        return resp.text.strip()[:2000] or resp.reason_phrase
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "message" in data:
+            return str(data["message"])
+        if "detail" in data:
+            return str(data["detail"])
+    return str(data)[:2000]
+
+
+class SGLangClient:
+    """Async client of one SGLang endpoint (a server or a router)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 256,
+        connect_timeout_s: float = 10.0,
+        request_timeout_s: float | None = 3600.0,
+        control_timeout_s: float = 600.0,
+        retry: RetryPolicy | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {base_url!r} must start with http:// or https://")
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be at least 1")
+        self.base_url = base_url.rstrip("/")
+        self.retry = retry or RetryPolicy()
+        self._gen_timeout = httpx.Timeout(request_timeout_s, connect=connect_timeout_s)
+        self._ctl_timeout = httpx.Timeout(control_timeout_s, connect=connect_timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency),
+            timeout=self._ctl_timeout,
+            transport=transport,
+        )
+        self._sem = asyncio.Semaphore(max_concurrency)
+        self._begin_end_supported: bool | None = None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # ---- transport ----------------------------------------------------------------------
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        *,
+        timeout: httpx.Timeout | None = None,
+        retries: int | None = None,
+        allow_404: bool = False,
+    ) -> httpx.Response:
+        """Send with retries on connection errors and 5xx; raise SGLangRequestError on 4xx."""
+        max_retries = self.retry.max_retries if retries is None else retries
+        last: str = ""
+        for attempt in range(max_retries + 1):
+            try:
+                resp = await self._http.request(method, path, json=json, timeout=timeout or self._ctl_timeout)
+            except (httpx.TransportError, httpx.DecodingError) as e:
+                # connect/read/write errors, the server dying mid-response, pool timeouts
+                last = f"{type(e).__name__}: {e}"
+            else:
+                if resp.status_code < 400:
+                    return resp
+                if resp.status_code == 404 and allow_404:
+                    return resp
+                if resp.status_code not in RETRY_STATUS:
+                    raise SGLangRequestError(resp.status_code, _error_message(resp), path)
+                last = f"HTTP {resp.status_code}: {_error_message(resp)}"
+            if attempt < max_retries:
+                await asyncio.sleep(self.retry.delay(attempt))
+        raise SGLangUnavailableError(
+            f"{method} {self.base_url}{path} failed after {max_retries + 1} attempts; last error: {last}"
+        )
+
+    # ---- health ---------------------------------------------------------------------------
+    async def health(self, generate: bool = False) -> bool:
+        """True if ``/health`` (or ``/health_generate``) answers 200 right now."""
+        try:
+            resp = await self._http.get("/health_generate" if generate else "/health", timeout=10.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def wait_healthy(self, timeout_s: float = 300.0, interval_s: float = 0.5,
+                           generate: bool = False) -> None:
+        """Poll health until it answers 200; raise TimeoutError naming the URL at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if await self.health(generate=generate):
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"{self.base_url} was not healthy within {timeout_s:.0f}s; check the server's log"
+                )
+            await asyncio.sleep(interval_s)
+
+    async def get_model_info(self) -> dict[str, Any]:
+        return (await self.request("GET", "/get_model_info")).json()
+
+    async def get_server_info(self) -> dict[str, Any]:
+        return (await self.request("GET", "/get_server_info")).json()
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate_raw(self, payload: dict[str, Any]) -> Any:
+        """POST /generate with a raw GenerateReqInput; the parsed JSON answer."""
+        async with self._sem:
+            resp = await self.request("POST", "/generate", payload, timeout=self._gen_timeout)
+        return resp.json()
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        return_logprob: bool = False,
+        rid: str | None = None,
+        **extra: Any,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        """Generate for one prompt; a list when ``sampling_params['n'] > 1``.
+
+        A rid is always sent (generated when not given) so a retried request keeps its id.
+        """
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "rid": rid or uuid.uuid4().hex,
+            **extra,
+        }
+        data = await self.generate_raw(payload)
+        if isinstance(data, list):
+            return [GenerateOutput.from_json(d) for d in data]
+        return GenerateOutput.from_json(data)
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        return_logprob: bool = False,
+        **extra: Any,
+    ) -> list[GenerateOutput]:
+        """One request holding several prompts; outputs prompt-major (n per prompt)."""
+        payload: dict[str, Any] = {
+            "input_ids": [list(p) for p in prompts],
+            "sampling_params": sampling_params or {},
+            "return_logprob": return_logprob,
+            "rid": [uuid.uuid4().hex for _ in prompts],
+            **extra,
+        }
+        data = await self.generate_raw(payload)
+        if not isinstance(data, list):
+            data = [data]
+        return [GenerateOutput.from_json(d) for d in data]
+
+    # ---- flow control -------------------------------------------------------------------------
+    async def flush_cache(self) -> bool:
+        """True if flushed; False if the server refused because requests are running."""
+        try:
+            await self.request("POST", "/flush_cache")
+        except SGLangRequestError:
+            return False
+        return True
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        await self.request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self.request("POST", "/continue_generation", {})
+
+    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not rid and not abort_all:
+            raise ValueError("give a rid or abort_all=True")
+        await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    # ---- weights ---------------------------------------------------------------------------------
+    async def _weights_call(self, path: str, payload: dict[str, Any], retries: int | None = None) -> dict[str, Any]:
+        resp = await self.request("POST", path, payload, retries=retries)
+        return self._check_success(resp, path)
+
+    @staticmethod
+    def _check_success(resp: httpx.Response, path: str) -> dict[str, Any]:
+        data = resp.json()
+        if isinstance(data, dict) and data.get("success") is False:
+            raise WeightUpdateError(f"{path}: {data.get('message')}")
+        return data
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[None]:
+        """``/begin_weight_update`` ... ``/end_weight_update`` where the server has them (SGLang
+        0.5.23); older servers answer 404, which is remembered and skipped."""
+        began = False
+        if self._begin_end_supported is not False:
+            resp = await self.request("POST", "/begin_weight_update", {"selector": "all"}, allow_404=True)
+            self._begin_end_supported = resp.status_code != 404
+            began = self._begin_end_supported
+        try:
+            yield
+        finally:
+            if began:
+                await self.request("POST", "/end_weight_update", {})
+
+    async def update_weights_from_disk(
+        self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """Make the server load a checkpoint directory on its own host."""
+        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache,
+                                   "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if load_format is not None:
+            payload["load_format"] = load_format
+        # errors answer 400 with success false: surface the server's message
+        try:
+            resp = await self.request("POST", "/update_weights_from_disk", payload)
+        except SGLangRequestError as e:
+            raise WeightUpdateError(f"/update_weights_from_disk: {e.message}") from None
+        return self._check_success(resp, "/update_weights_from_disk")
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+        weight_version: str | None = None, flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Send one serialized payload per TP rank (see :func:`serialize_named_tensors`)."""
+        payload: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors,
+                                   "load_format": load_format, "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        async with self.weight_update_session():
+            try:
+                return await self._weights_call("/update_weights_from_tensor", payload)
+            except SGLangRequestError as e:
+                raise WeightUpdateError(f"/update_weights_from_tensor: {e.message}") from None
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+    ) -> dict[str, Any]:
+        """Blocks until the trainer (rank 0) joins the same rendezvous; never retried."""
+        payload = {"master_address": master_address, "master_port": master_port,
+                   "rank_offset": rank_offset, "world_size": world_size,
+                   "group_name": group_name, "backend": backend}
+        try:
+            return await self._weights_call("/init_weights_update_group", payload, retries=0)
+        except SGLangRequestError as e:
+            raise WeightUpdateError(f"/init_weights_update_group: {e.message}") from None
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+        group_name: str = "weight_update_group", weight_version: str | None = None,
+        load_format: str | None = None, flush_cache: bool = True,
+    ) -> dict[str, Any]:
+        """Tell the engine to receive a broadcast; the trainer broadcasts concurrently. Never retried."""
+        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
+                                   "group_name": group_name, "load_format": load_format,
+                                   "flush_cache": flush_cache}
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        async with self.weight_update_session():
+            try:
+                return await self._weights_call("/update_weights_from_distributed", payload, retries=0)
+            except SGLangRequestError as e:
+                raise WeightUpdateError(f"/update_weights_from_distributed: {e.message}") from None
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        try:
+            return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+        except SGLangRequestError as e:
+            raise WeightUpdateError(f"/destroy_weights_update_group: {e.message}") from None
+
+    async def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        return await self._weights_call("/update_weight_version", {"new_version": new_version})
