@@ -15,10 +15,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m titan_rl.engine",
         description="Titan's built-in CPU rollout engine: serves SGLang's native HTTP API.",
     )
-    p.add_argument("--model-path", required=True, help="local HF model directory (never downloaded)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    p.add_argument(
+        "--model-path", required=True, help="local HF model directory (never downloaded)"
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)"
+    )
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (as SGLang)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (as SGLang)"
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
@@ -46,11 +52,15 @@ def validate(args: argparse.Namespace) -> None:
     if args.dp_size != 1:
         raise SystemExit("--dp-size: start several engines behind sglang-router instead")
     if args.device != "cpu":
-        raise SystemExit(f"--device {args.device}: the built-in engine is CPU-only; use sglang.launch_server")
+        raise SystemExit(
+            f"--device {args.device}: the built-in engine is CPU-only; use sglang.launch_server"
+        )
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port {args.port} is not a TCP port")
     if not os.path.isdir(args.model_path):
-        raise SystemExit(f"--model-path {args.model_path!r} is not a local directory (the engine never downloads)")
+        raise SystemExit(
+            f"--model-path {args.model_path!r} is not a local directory (the engine never downloads)"
+        )
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(
             f"warning: binding {args.host} without --api-key exposes the engine (including weight "
@@ -62,7 +72,9 @@ def validate(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     validate(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     import uvicorn
 
     from titan_rl.engine.core import Engine
@@ -82,10 +94,20 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    app = create_app(engine, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                     served_model_name=args.served_model_name)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+        served_model_name=args.served_model_name,
+    )
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
     engine.shutdown()
 
 

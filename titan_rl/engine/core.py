@@ -83,7 +83,9 @@ class Engine:
 
         path = Path(model_path)
         if not path.is_dir():
-            raise ValueError(f"--model-path {model_path!r} is not a local directory; the CPU engine never downloads")
+            raise ValueError(
+                f"--model-path {model_path!r} is not a local directory; the CPU engine never downloads"
+            )
         if num_threads:
             torch.set_num_threads(num_threads)
         config = AutoConfig.from_pretrained(str(path))
@@ -93,10 +95,16 @@ class Engine:
                 f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
             )
         layer_types = getattr(config, "layer_types", None) or []
-        if getattr(config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        if getattr(config, "use_sliding_window", False) or any(
+            t != "full_attention" for t in layer_types
+        ):
             raise ValueError("sliding-window attention layers are not supported by the CPU engine")
-        torch_dtype = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16,
-                       "float16": torch.float16}[dtype]
+        torch_dtype = {
+            "auto": "auto",
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+        }[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
         self.model.eval()
         self.model.requires_grad_(False)
@@ -144,7 +152,10 @@ class Engine:
 
     @staticmethod
     def _load_tokenizer(path: Path) -> Any:
-        if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        if not any(
+            (path / f).exists()
+            for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        ):
             return None
         try:
             from transformers import AutoTokenizer
@@ -177,14 +188,20 @@ class Engine:
             )
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError(f"input_ids contains token {bad[0]} outside the vocabulary (size {self.vocab_size})")
+            raise RequestError(
+                f"input_ids contains token {bad[0]} outside the vocabulary (size {self.vocab_size})"
+            )
         max_new = min(params.max_new_tokens, self.context_length - len(prompt))
         gen = None
         if params.sampling_seed is not None:
             gen = torch.Generator().manual_seed((params.sampling_seed + seed_offset) % (2**63))
         return Sequence(
-            rid=rid or uuid.uuid4().hex, prompt=list(prompt), params=params, max_new=max_new,
-            generator=gen, **kw,
+            rid=rid or uuid.uuid4().hex,
+            prompt=list(prompt),
+            params=params,
+            max_new=max_new,
+            generator=gen,
+            **kw,
         )
 
     def submit(self, seqs: list[Sequence]) -> None:
@@ -192,7 +209,9 @@ class Engine:
         with self._lock:
             for s in seqs:
                 if s.rid in self._rids:
-                    raise RequestError(f"request id {s.rid!r} is already running; rids must be unique")
+                    raise RequestError(
+                        f"request id {s.rid!r} is already running; rids must be unique"
+                    )
             for s in seqs:
                 self._rids.add(s.rid)
                 self._pending.append(s)
@@ -215,7 +234,9 @@ class Engine:
         self._thread.join(timeout=10)
 
     # ---- commands (engine thread) -------------------------------------------------------
-    def abort(self, rid: str | None, abort_all: bool = False, message: str = "aborted by request") -> int:
+    def abort(
+        self, rid: str | None, abort_all: bool = False, message: str = "aborted by request"
+    ) -> int:
         """Finish matching running or queued sequences with an ``abort`` finish reason."""
         n = 0
         with self._lock:
@@ -325,14 +346,16 @@ class Engine:
         ids = torch.tensor([s.prompt for s in seqs], dtype=torch.long)
         want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
         cache = self._new_cache()
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if any(want_input) else 1)
+        out = self.model(
+            input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if any(want_input) else 1
+        )
         logits = out.logits
         for j, s in enumerate(seqs):
             if want_input[j]:
                 s.input_logprobs = self._input_logprobs(s, logits[j])
         last = logits[:, -1, :]
         live = [j for j, s in enumerate(seqs) if s.max_new > 0]
-        for j, s in enumerate(seqs):
+        for s in seqs:
             if s.max_new <= 0:
                 s.finish_reason = {"type": "length", "length": 0}
                 self._finish(s)
@@ -360,8 +383,13 @@ class Engine:
         ]
         return full[s.logprob_start_len :]
 
-    def _merge(self, seqs: list[Sequence], kv: list[tuple[torch.Tensor, torch.Tensor]],
-               mask: torch.Tensor, pos: torch.Tensor) -> None:
+    def _merge(
+        self,
+        seqs: list[Sequence],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> None:
         if not self.active:
             self._cache = self._new_cache()
             for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
@@ -371,9 +399,15 @@ class Engine:
         t_old, t_new = self._mask.shape[1], mask.shape[1]
         width = max(t_old, t_new)
         for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
-            layer.keys = torch.cat([_pad_left(layer.keys, width - t_old, 2), _pad_left(k, width - t_new, 2)])
-            layer.values = torch.cat([_pad_left(layer.values, width - t_old, 2), _pad_left(v, width - t_new, 2)])
-        self._mask = torch.cat([_pad_left(self._mask, width - t_old, 1), _pad_left(mask, width - t_new, 1)])
+            layer.keys = torch.cat(
+                [_pad_left(layer.keys, width - t_old, 2), _pad_left(k, width - t_new, 2)]
+            )
+            layer.values = torch.cat(
+                [_pad_left(layer.values, width - t_old, 2), _pad_left(v, width - t_new, 2)]
+            )
+        self._mask = torch.cat(
+            [_pad_left(self._mask, width - t_old, 1), _pad_left(mask, width - t_new, 1)]
+        )
         self._pos = torch.cat([self._pos, pos])
         self.active.extend(seqs)
 
@@ -383,8 +417,11 @@ class Engine:
         ids = torch.tensor([[s.output_ids[-1]] for s in self.active], dtype=torch.long)
         mask = torch.cat([self._mask, torch.ones(bsz, 1, dtype=torch.long)], dim=1)
         out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=self._pos.unsqueeze(1),
-            cache=self._cache, use_cache=True,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=self._pos.unsqueeze(1),
+            cache=self._cache,
+            use_cache=True,
         )
         self._mask = mask
         self._pos = self._pos + 1
@@ -423,15 +460,18 @@ class Engine:
             if p.logit_bias:
                 for tok, bias in p.logit_bias.items():
                     logits[i, int(tok)] += bias
-            if p.frequency_penalty or p.presence_penalty:
-                if s.output_ids:
-                    counts = torch.bincount(torch.tensor(s.output_ids), minlength=self.vocab_size)
-                    counts = counts[: logits.shape[1]].float()
-                    logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            if (p.frequency_penalty or p.presence_penalty) and s.output_ids:
+                counts = torch.bincount(torch.tensor(s.output_ids), minlength=self.vocab_size)
+                counts = counts[: logits.shape[1]].float()
+                logits[i] -= (
+                    p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+                )
             if p.repetition_penalty != 1.0:
                 seen = torch.tensor(sorted(set(s.prompt) | set(s.output_ids)))
                 vals = logits[i, seen]
-                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+                logits[i, seen] = torch.where(
+                    vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty
+                )
             if len(s.output_ids) < p.min_new_tokens:
                 stops = [t for t in self._stop_ids(s) if t < logits.shape[1]]
                 if stops:
@@ -440,7 +480,9 @@ class Engine:
 
     def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = self._adjust_logits(logits, seqs)
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._default_gen)
+        tokens, logprobs = sample(
+            logits, [s.params for s in seqs], [s.generator for s in seqs], self._default_gen
+        )
         want = [i for i, s in enumerate(seqs) if s.return_logprob]
         if want:
             idx = torch.tensor(want)
@@ -450,7 +492,9 @@ class Engine:
                 s.output_logprobs.append(v)
                 if s.top_logprobs_num > 0:
                     tv, ti = logprobs[i].topk(min(s.top_logprobs_num, logprobs.shape[1]))
-                    s.output_top.append([[a, b, None] for a, b in zip(tv.tolist(), ti.tolist(), strict=True)])
+                    s.output_top.append(
+                        [[a, b, None] for a, b in zip(tv.tolist(), ti.tolist(), strict=True)]
+                    )
         return tokens
 
     def _append(self, s: Sequence, token: int) -> bool:
@@ -462,7 +506,9 @@ class Engine:
             s.finish_reason = {"type": "stop", "matched": token}
         elif n >= s.max_new:
             s.finish_reason = {"type": "length", "length": n}
-        elif self.tokenizer is not None and s.params.stop_strings() and n >= s.params.min_new_tokens:
+        elif (
+            self.tokenizer is not None and s.params.stop_strings() and n >= s.params.min_new_tokens
+        ):
             tail = self.tokenizer.decode(s.output_ids[-32:], skip_special_tokens=False)
             for stop in s.params.stop_strings():
                 if stop in tail:

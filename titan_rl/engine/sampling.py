@@ -92,7 +92,9 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
-def parse_sampling_params(raw: Any, vocab_size: int, where: str = "sampling_params") -> SamplingParams:
+def parse_sampling_params(
+    raw: Any, vocab_size: int, where: str = "sampling_params"
+) -> SamplingParams:
     """Validate one ``sampling_params`` dict; raise RequestError naming the bad key."""
     if raw is None:
         raw = {}
@@ -122,7 +124,9 @@ def parse_sampling_params(raw: Any, vocab_size: int, where: str = "sampling_para
         )
     for t in params.stop_token_ids or []:
         if t >= vocab_size:
-            raise RequestError(f"{where}.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})")
+            raise RequestError(
+                f"{where}.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})"
+            )
     for key in params.logit_bias or {}:
         try:
             tid = int(key)

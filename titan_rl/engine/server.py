@@ -65,7 +65,9 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise HTTPError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+                raise HTTPError(
+                    413, f"request body of {declared} bytes exceeds the limit of {limit} bytes"
+                )
         except ValueError:
             raise HTTPError(400, "invalid Content-Length header") from None
     chunks, size = [], 0
@@ -86,8 +88,13 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
     return data
 
 
-def _field(data: dict[str, Any], key: str, types: type | tuple[type, ...], default: Any = None,
-           required: bool = False) -> Any:
+def _field(
+    data: dict[str, Any],
+    key: str,
+    types: type | tuple[type, ...],
+    default: Any = None,
+    required: bool = False,
+) -> Any:
     if key not in data or data[key] is None:
         if required:
             raise HTTPError(400, f"missing required field {key!r}")
@@ -104,8 +111,12 @@ def _is_int_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: int = 64 << 20,
-               served_model_name: str | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    api_key: str | None = None,
+    max_request_bytes: int = 64 << 20,
+    served_model_name: str | None = None,
+) -> FastAPI:
     """Build the HTTP app around an Engine."""
     app = FastAPI(title="titan-rl built-in engine", docs_url=None, redoc_url=None, openapi_url=None)
     state: dict[str, Any] = {"groups": {}, "started": time.time()}
@@ -115,7 +126,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         if api_key and request.method != "OPTIONS" and not request.url.path.startswith(_OPEN_PATHS):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return _error(401, "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'")
+                return _error(
+                    401, "Unauthorized: send the server's API key as 'Authorization: Bearer <key>'"
+                )
         return await call_next(request)
 
     @app.exception_handler(HTTPError)
@@ -157,7 +170,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         if engine.paused or engine.released:
             return Response(status_code=200)
         try:
-            params = parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, engine.vocab_size)
+            params = parse_sampling_params(
+                {"max_new_tokens": 1, "temperature": 0}, engine.vocab_size
+            )
             await asyncio.wait_for(_run(engine, [engine.make_sequence([0], params, rid=None)]), 20)
         except Exception:
             return Response(status_code=503)
@@ -185,22 +200,24 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
     @app.get("/get_server_info")
     @app.get("/server_info")
     async def get_server_info() -> ORJSONResponse:
-        return ORJSONResponse({
-            **model_info(),
-            "engine": "titan_rl.engine",
-            "device": "cpu",
-            "tp_size": 1,
-            "dp_size": 1,
-            "context_length": engine.context_length,
-            "max_running_requests": engine.max_running,
-            "skip_tokenizer_init": engine.tokenizer is None,
-            "num_running_reqs": engine.num_running(),
-            "paused": engine.paused,
-            "memory_released": engine.released,
-            "decode_steps": engine.steps,
-            "generated_tokens": engine.generated_tokens,
-            "version": "titan-builtin",
-        })
+        return ORJSONResponse(
+            {
+                **model_info(),
+                "engine": "titan_rl.engine",
+                "device": "cpu",
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": engine.context_length,
+                "max_running_requests": engine.max_running,
+                "skip_tokenizer_init": engine.tokenizer is None,
+                "num_running_reqs": engine.num_running(),
+                "paused": engine.paused,
+                "memory_released": engine.released,
+                "decode_steps": engine.steps,
+                "generated_tokens": engine.generated_tokens,
+                "version": "titan-builtin",
+            }
+        )
 
     @app.get("/get_weight_version")
     @app.get("/weight_version")
@@ -224,10 +241,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
     async def flush_cache() -> Response:
         if engine.num_running() > 0:
             return PlainTextResponse(
-                "Cache not flushed because there are pending requests; retry when idle", status_code=400
+                "Cache not flushed because there are pending requests; retry when idle",
+                status_code=400,
             )
-        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)\n"
+        )
 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> ORJSONResponse:
@@ -269,7 +289,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         data = await body(request)
         _check_tags(data)
         if engine.num_running() > 0:
-            raise HTTPError(400, "release_memory_occupation needs an idle engine; pause or wait for requests")
+            raise HTTPError(
+                400, "release_memory_occupation needs an idle engine; pause or wait for requests"
+            )
 
         def release() -> None:
             engine.released = True
@@ -300,7 +322,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         path = _field(data, "model_path", str, required=True)
         load_format = _field(data, "load_format", str, None)
         if load_format not in (None, "auto", "safetensors"):
-            return _fail(f"load_format {load_format!r} is not supported; the CPU engine reads safetensors")
+            return _fail(
+                f"load_format {load_format!r} is not supported; the CPU engine reads safetensors"
+            )
         abort_all = _field(data, "abort_all_requests", bool, False)
         _field(data, "weight_version", (str, int), None)
         try:
@@ -337,10 +361,14 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         payloads = _field(data, "serialized_named_tensors", list, required=True)
         load_format = _field(data, "load_format", str, None)
         if load_format not in (None, "direct", "flattened_bucket"):
-            return _fail(f"load_format {load_format!r} is not supported; use null, 'direct' or 'flattened_bucket'")
+            return _fail(
+                f"load_format {load_format!r} is not supported; use null, 'direct' or 'flattened_bucket'"
+            )
         _field(data, "weight_version", (str, int), None)
         if len(payloads) != 1:
-            return _fail(f"got {len(payloads)} serialized_named_tensors entries; this engine has tp_size 1")
+            return _fail(
+                f"got {len(payloads)} serialized_named_tensors entries; this engine has tp_size 1"
+            )
         try:
             named = await asyncio.to_thread(decode_tensor_payload, payloads[0], load_format)
 
@@ -366,7 +394,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         if group in state["groups"]:
             return _fail(f"weight update group {group!r} already exists; destroy it first")
         if not 0 < port < 65536 or world_size < 2:
-            return _fail("master_port must be a TCP port and world_size at least 2 (trainer + engine)")
+            return _fail(
+                "master_port must be a TCP port and world_size at least 2 (trainer + engine)"
+            )
         try:
             pg = await asyncio.to_thread(
                 join_weight_update_group, addr, port, rank_offset, world_size, group, backend
@@ -392,7 +422,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         if not all(isinstance(n, str) for n in names) or not all(_is_int_list(s) for s in shapes):
             return _fail("names must be strings and shapes lists of integers")
         if load_format not in (None, "flattened_bucket"):
-            return _fail(f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'")
+            return _fail(
+                f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'"
+            )
         pg = state["groups"].get(group)
         if pg is None:
             return _fail(f"no weight update group {group!r}; call /init_weights_update_group first")
@@ -401,7 +433,9 @@ def create_app(engine: Engine, api_key: str | None = None, max_request_bytes: in
         def apply() -> int:
             named = receive_broadcast(pg, names, dtypes, shapes, load_format)
             if unknown:  # received (so the sender is not stuck) but rejected
-                raise RequestError(f"unknown parameter {unknown[0]!r}; names must be the HF checkpoint's")
+                raise RequestError(
+                    f"unknown parameter {unknown[0]!r}; names must be the HF checkpoint's"
+                )
             n = engine.load_named_tensors(named)
             _bump(data)
             return n
@@ -451,16 +485,22 @@ def _check_tags(data: dict[str, Any]) -> None:
     tags = data.get("tags")
     if tags is None:
         return
-    if not isinstance(tags, list) or not all(t in ("weights", "kv_cache", "cuda_graph") for t in tags):
+    if not isinstance(tags, list) or not all(
+        t in ("weights", "kv_cache", "cuda_graph") for t in tags
+    ):
         raise HTTPError(400, "tags must be null or a list of 'weights', 'kv_cache', 'cuda_graph'")
 
 
 def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequence], bool]:
     """Turn a GenerateReqInput into Sequences (prompt-major, n copies each)."""
     if data.get("stream"):
-        raise HTTPError(400, "stream=true is not supported by the built-in CPU engine; send stream=false")
+        raise HTTPError(
+            400, "stream=true is not supported by the built-in CPU engine; send stream=false"
+        )
     if data.get("input_embeds") is not None:
-        raise HTTPError(400, "input_embeds is not supported by the built-in CPU engine; send input_ids")
+        raise HTTPError(
+            400, "input_embeds is not supported by the built-in CPU engine; send input_ids"
+        )
     for key in ("image_data", "audio_data", "video_data", "lora_path"):
         if data.get(key):
             raise HTTPError(400, f"{key} is not supported by the built-in CPU engine")
@@ -471,7 +511,9 @@ def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequenc
         raise HTTPError(400, "give exactly one of 'text' or 'input_ids'")
     if text is not None:
         if engine.tokenizer is None:
-            raise HTTPError(400, "this server has no tokenizer (skip_tokenizer_init); send input_ids")
+            raise HTTPError(
+                400, "this server has no tokenizer (skip_tokenizer_init); send input_ids"
+            )
         if isinstance(text, str):
             prompts, single = [engine.tokenizer.encode(text)], True
         elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
@@ -483,23 +525,33 @@ def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequenc
     elif isinstance(input_ids, list) and input_ids and all(_is_int_list(p) for p in input_ids):
         prompts, single = input_ids, False
     else:
-        raise HTTPError(400, "input_ids must be a list of token ids or a non-empty list of such lists")
+        raise HTTPError(
+            400, "input_ids must be a list of token ids or a non-empty list of such lists"
+        )
     count = len(prompts)
     raw_params = data.get("sampling_params")
     if isinstance(raw_params, list):
         if len(raw_params) != count:
-            raise HTTPError(400, f"sampling_params has {len(raw_params)} entries for {count} prompts")
+            raise HTTPError(
+                400, f"sampling_params has {len(raw_params)} entries for {count} prompts"
+            )
     else:
         raw_params = [raw_params] * count
     params = [
-        parse_sampling_params(p, engine.vocab_size, "sampling_params" if count == 1 else f"sampling_params[{i}]")
+        parse_sampling_params(
+            p, engine.vocab_size, "sampling_params" if count == 1 else f"sampling_params[{i}]"
+        )
         for i, p in enumerate(raw_params)
     ]
-    return_logprob = _list_or_scalar(data.get("return_logprob"), count, "return_logprob", bool, False)
+    return_logprob = _list_or_scalar(
+        data.get("return_logprob"), count, "return_logprob", bool, False
+    )
     start_len = _list_or_scalar(data.get("logprob_start_len"), count, "logprob_start_len", int, -1)
     top_num = _list_or_scalar(data.get("top_logprobs_num"), count, "top_logprobs_num", int, 0)
     rid = data.get("rid")
-    if rid is not None and not (isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))):
+    if rid is not None and not (
+        isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+    ):
         raise HTTPError(400, "rid must be a string or a list of strings")
     if isinstance(rid, str) and count > 1:
         raise HTTPError(400, "a batch needs one rid per prompt (a list)")
@@ -515,14 +567,23 @@ def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequenc
             base = rids[i]
             this_rid = (f"{base}_{j}" if params[i].n > 1 else base) if base else None
             if start_len[i] >= len(prompt):
-                raise HTTPError(400, f"logprob_start_len {start_len[i]} is past the prompt ({len(prompt)} tokens)")
+                raise HTTPError(
+                    400,
+                    f"logprob_start_len {start_len[i]} is past the prompt ({len(prompt)} tokens)",
+                )
             if top_num[i] < 0:
                 raise HTTPError(400, "top_logprobs_num must be >= 0")
-            seqs.append(engine.make_sequence(
-                prompt, params[i], rid=this_rid, seed_offset=j,
-                return_logprob=return_logprob[i], logprob_start_len=start_len[i],
-                top_logprobs_num=top_num[i],
-            ))
+            seqs.append(
+                engine.make_sequence(
+                    prompt,
+                    params[i],
+                    rid=this_rid,
+                    seed_offset=j,
+                    return_logprob=return_logprob[i],
+                    logprob_start_len=start_len[i],
+                    top_logprobs_num=top_num[i],
+                )
+            )
     if len(seqs) > 4096:
         raise HTTPError(400, f"a request may hold at most 4096 sequences, got {len(seqs)}")
     return seqs, single

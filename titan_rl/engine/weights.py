@@ -46,7 +46,11 @@ def flatten_named_tensors(
     parts, meta, offset = [], [], 0
     for name, t in named:
         raw = t.detach().contiguous().flatten().view(torch.uint8)
-        meta.append(FlattenedTensorMetadata(name, t.shape, t.dtype, offset, offset + raw.numel(), raw.numel()))
+        meta.append(
+            FlattenedTensorMetadata(
+                name, t.shape, t.dtype, offset, offset + raw.numel(), raw.numel()
+            )
+        )
         parts.append(raw)
         offset += raw.numel()
     if not parts:
@@ -59,7 +63,13 @@ def unflatten(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, torch.
     out = []
     for m in metadata:
         if isinstance(m, dict):
-            name, shape, dtype, start, end = m["name"], m["shape"], m["dtype"], m["start_idx"], m["end_idx"]
+            name, shape, dtype, start, end = (
+                m["name"],
+                m["shape"],
+                m["dtype"],
+                m["start_idx"],
+                m["end_idx"],
+            )
         elif isinstance(m, list | tuple):
             name, shape, dtype, start, end = m[0], m[1], m[2], m[3], m[4]
         else:
@@ -76,8 +86,18 @@ def unflatten(flat: torch.Tensor, metadata: list[Any]) -> list[tuple[str, torch.
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-              torch.int16, torch.int8, torch.uint8, torch.bool)
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 
 
@@ -129,8 +149,12 @@ class RestrictedUnpickler(pickle.Unpickler):
                 "sender (titan_rl.rollout.serialize_named_tensors does this)"
             )
         if module.startswith("torch.multiprocessing") and "cuda" in name:
-            raise RequestError("CUDA IPC tensors cannot be loaded by the CPU engine; send CPU tensors")
-        raise RequestError(f"payload refers to {module}.{name}, which is not allowed in a tensor update")
+            raise RequestError(
+                "CUDA IPC tensors cannot be loaded by the CPU engine; send CPU tensors"
+            )
+        raise RequestError(
+            f"payload refers to {module}.{name}, which is not allowed in a tensor update"
+        )
 
 
 def loads_restricted(b64: str) -> Any:
@@ -146,7 +170,9 @@ def loads_restricted(b64: str) -> Any:
     except RequestError:
         raise
     except Exception as e:  # truncated / corrupt pickles, missing shm segments
-        raise RequestError(f"could not decode the tensor payload: {type(e).__name__}: {e}") from None
+        raise RequestError(
+            f"could not decode the tensor payload: {type(e).__name__}: {e}"
+        ) from None
 
 
 def decode_tensor_payload(b64: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
@@ -154,7 +180,9 @@ def decode_tensor_payload(b64: str, load_format: str | None) -> list[tuple[str, 
     obj = loads_restricted(b64)
     if load_format == "flattened_bucket" or isinstance(obj, dict):
         if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
-            raise RequestError("a flattened_bucket payload must be {'flattened_tensor', 'metadata'}")
+            raise RequestError(
+                "a flattened_bucket payload must be {'flattened_tensor', 'metadata'}"
+            )
         flat = obj["flattened_tensor"]
         if not isinstance(flat, torch.Tensor):
             raise RequestError("flattened_tensor is not a tensor")
@@ -189,7 +217,9 @@ def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     else:
         raise RequestError(f"model_path {str(p)!r} does not exist on the engine's host")
     if not files:
-        raise RequestError(f"no *.safetensors files in {str(p)!r}; save with safe_serialization=True")
+        raise RequestError(
+            f"no *.safetensors files in {str(p)!r}; save with safe_serialization=True"
+        )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         out.update(load_file(str(f)))
@@ -239,7 +269,8 @@ def receive_broadcast(
 ) -> list[tuple[str, torch.Tensor]]:
     """Receive tensors broadcast from rank 0, one by one or as one flattened uint8 bucket."""
     empties = [
-        (n, torch.empty(tuple(s), dtype=parse_dtype(d))) for n, d, s in zip(names, dtypes, shapes, strict=True)
+        (n, torch.empty(tuple(s), dtype=parse_dtype(d)))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
     ]
     if load_format == "flattened_bucket":
         nbytes = sum(t.numel() * t.element_size() for _, t in empties)

@@ -147,7 +147,9 @@ class SGLangClient:
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=headers,
-            limits=httpx.Limits(max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency),
+            limits=httpx.Limits(
+                max_connections=max_concurrency + 8, max_keepalive_connections=max_concurrency
+            ),
             timeout=self._ctl_timeout,
             transport=transport,
         )
@@ -179,7 +181,9 @@ class SGLangClient:
         last: str = ""
         for attempt in range(max_retries + 1):
             try:
-                resp = await self._http.request(method, path, json=json, timeout=timeout or self._ctl_timeout)
+                resp = await self._http.request(
+                    method, path, json=json, timeout=timeout or self._ctl_timeout
+                )
             except (httpx.TransportError, httpx.DecodingError) as e:
                 # connect/read/write errors, the server dying mid-response, pool timeouts
                 last = f"{type(e).__name__}: {e}"
@@ -206,8 +210,9 @@ class SGLangClient:
             return False
         return resp.status_code == 200
 
-    async def wait_healthy(self, timeout_s: float = 300.0, interval_s: float = 0.5,
-                           generate: bool = False) -> None:
+    async def wait_healthy(
+        self, timeout_s: float = 300.0, interval_s: float = 0.5, generate: bool = False
+    ) -> None:
         """Poll health until it answers 200; raise TimeoutError naming the URL at the deadline."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -307,7 +312,9 @@ class SGLangClient:
         await self.request("POST", "/resume_memory_occupation", {"tags": tags})
 
     # ---- weights ---------------------------------------------------------------------------------
-    async def _weights_call(self, path: str, payload: dict[str, Any], retries: int | None = None) -> dict[str, Any]:
+    async def _weights_call(
+        self, path: str, payload: dict[str, Any], retries: int | None = None
+    ) -> dict[str, Any]:
         resp = await self.request("POST", path, payload, retries=retries)
         return self._check_success(resp, path)
 
@@ -324,7 +331,9 @@ class SGLangClient:
         0.5.23); older servers answer 404, which is remembered and skipped."""
         began = False
         if self._begin_end_supported is not False:
-            resp = await self.request("POST", "/begin_weight_update", {"selector": "all"}, allow_404=True)
+            resp = await self.request(
+                "POST", "/begin_weight_update", {"selector": "all"}, allow_404=True
+            )
             self._begin_end_supported = resp.status_code != 404
             began = self._begin_end_supported
         try:
@@ -334,12 +343,20 @@ class SGLangClient:
                 await self.request("POST", "/end_weight_update", {})
 
     async def update_weights_from_disk(
-        self, model_path: str, *, weight_version: str | None = None, flush_cache: bool = True,
-        abort_all_requests: bool = False, load_format: str | None = None,
+        self,
+        model_path: str,
+        *,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> dict[str, Any]:
         """Make the server load a checkpoint directory on its own host."""
-        payload: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache,
-                                   "abort_all_requests": abort_all_requests}
+        payload: dict[str, Any] = {
+            "model_path": model_path,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
         if weight_version is not None:
             payload["weight_version"] = weight_version
         if load_format is not None:
@@ -352,12 +369,19 @@ class SGLangClient:
         return self._check_success(resp, "/update_weights_from_disk")
 
     async def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-        weight_version: str | None = None, flush_cache: bool = True,
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
     ) -> dict[str, Any]:
         """Send one serialized payload per TP rank (see :func:`serialize_named_tensors`)."""
-        payload: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors,
-                                   "load_format": load_format, "flush_cache": flush_cache}
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": serialized_named_tensors,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = weight_version
         async with self.weight_update_session():
@@ -367,38 +391,65 @@ class SGLangClient:
                 raise WeightUpdateError(f"/update_weights_from_tensor: {e.message}") from None
 
     async def init_weights_update_group(
-        self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-        group_name: str = "weight_update_group", backend: str = "nccl",
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
     ) -> dict[str, Any]:
         """Blocks until the trainer (rank 0) joins the same rendezvous; never retried."""
-        payload = {"master_address": master_address, "master_port": master_port,
-                   "rank_offset": rank_offset, "world_size": world_size,
-                   "group_name": group_name, "backend": backend}
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
         try:
             return await self._weights_call("/init_weights_update_group", payload, retries=0)
         except SGLangRequestError as e:
             raise WeightUpdateError(f"/init_weights_update_group: {e.message}") from None
 
     async def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
-        group_name: str = "weight_update_group", weight_version: str | None = None,
-        load_format: str | None = None, flush_cache: bool = True,
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        flush_cache: bool = True,
     ) -> dict[str, Any]:
         """Tell the engine to receive a broadcast; the trainer broadcasts concurrently. Never retried."""
-        payload: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                                   "group_name": group_name, "load_format": load_format,
-                                   "flush_cache": flush_cache}
+        payload: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+        }
         if weight_version is not None:
             payload["weight_version"] = weight_version
         async with self.weight_update_session():
             try:
-                return await self._weights_call("/update_weights_from_distributed", payload, retries=0)
+                return await self._weights_call(
+                    "/update_weights_from_distributed", payload, retries=0
+                )
             except SGLangRequestError as e:
                 raise WeightUpdateError(f"/update_weights_from_distributed: {e.message}") from None
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> dict[str, Any]:
         try:
-            return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+            return await self._weights_call(
+                "/destroy_weights_update_group", {"group_name": group_name}
+            )
         except SGLangRequestError as e:
             raise WeightUpdateError(f"/destroy_weights_update_group: {e.message}") from None
 

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random HF models written to tmp dirs, and built-in engine servers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_rl.actors.config import EngineServerConfig
+from titan_rl.actors.server import ServerProcess
+
+VOCAB = 300
+EOS = 2
+
+
+def make_tiny_model(path: Path, family: str = "llama", seed: int = 0) -> Path:
+    """Save a random ~100k-parameter causal LM of ``family`` to ``path`` (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=EOS, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+    )
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }
+    cfg_cls, model_cls = classes[family]
+    extra = {"head_dim": 16} if family == "qwen3" else {}
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw, **extra))
+    # larger logits make greedy outputs depend clearly on the weights
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def start_engine(model: Path, log_dir: Path, name: str, **kw: object) -> ServerProcess:
+    cfg = EngineServerConfig(
+        model_path=str(model), backend="builtin", num_threads=1, log_dir=str(log_dir),
+        startup_timeout_s=120, **kw,
+    )
+    server = ServerProcess(cfg, name=name)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One built-in engine shared by the read-only tests."""
+    server = start_engine(tiny_model, tmp_path_factory.mktemp("logs"), "shared-engine")
+    yield server
+    server.stop()
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]

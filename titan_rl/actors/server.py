@@ -1,0 +1,231 @@
+"""Launch, watch, restart and stop one rollout server process (SGLang or the CPU engine)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from titan_core.accelerator import get_accelerator
+from titan_rl.actors.config import EngineServerConfig
+
+log = logging.getLogger("titan_rl.actors")
+
+_REPO_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_backend(cfg: EngineServerConfig) -> tuple[str, str]:
+    """(backend, device): the built-in engine on cpu, SGLang on cuda / musa."""
+    device = get_accelerator().name
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "builtin" if device == "cpu" else "sglang"
+    if backend == "sglang" and device == "cpu":
+        raise ValueError(
+            "rollout.server.backend is 'sglang' but the accelerator is cpu; SGLang's CPU build is "
+            "not installable here, so use backend 'builtin' (or 'auto') on CPU"
+        )
+    if backend == "builtin" and cfg.tp_size != 1:
+        raise ValueError("the built-in CPU engine runs with tp_size 1")
+    return backend, device
+
+
+def build_command(cfg: EngineServerConfig, port: int, backend: str, device: str) -> list[str]:
+    """The server's command line (SGLang's flag names for both backends)."""
+    common = [
+        "--model-path",
+        cfg.model_path,
+        "--host",
+        cfg.host,
+        "--port",
+        str(port),
+        "--weight-version",
+        cfg.weight_version,
+    ]
+    if cfg.api_key:
+        common += ["--api-key", cfg.api_key]
+    if cfg.context_length:
+        common += ["--context-length", str(cfg.context_length)]
+    if cfg.skip_tokenizer_init:
+        common += ["--skip-tokenizer-init"]
+    if backend == "sglang":
+        cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            *common,
+            "--tp-size",
+            str(cfg.tp_size),
+            "--base-gpu-id",
+            str(cfg.base_gpu_id),
+            "--device",
+            device,
+        ]
+        if cfg.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if cfg.enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
+    else:
+        cmd = [sys.executable, "-m", "titan_rl.engine", *common]
+        if cfg.num_threads:
+            cmd += ["--num-threads", str(cfg.num_threads)]
+    return cmd + list(cfg.extra_args)
+
+
+def build_env(cfg: EngineServerConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(cfg.env)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _REPO_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([_REPO_ROOT, *paths])
+    return env
+
+
+class ServerProcess:
+    """One server process: start, wait for health, restart if it dies, stop cleanly.
+
+    The server runs in its own session (process group) so stopping it also stops the
+    workers SGLang spawns. The port is fixed at the first start so a restarted server keeps
+    the URL the router knows.
+    """
+
+    def __init__(self, cfg: EngineServerConfig, name: str = "engine") -> None:
+        self.cfg = cfg
+        self.name = name
+        self.backend, self.device = resolve_backend(cfg)
+        self.port = cfg.port or free_port(cfg.host)
+        self.restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._stopping = False
+        self._watch: threading.Thread | None = None
+        log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="titan-engine-"))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"{name}.log"
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.cfg.host in ("0.0.0.0", "::") else self.cfg.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        return build_command(self.cfg, self.port, self.backend, self.device)
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, wait: bool = True) -> str:
+        """Launch the server (and wait for ``/health`` unless ``wait`` is False); return its URL."""
+        if self.alive():
+            return self.url
+        self._stopping = False
+        with open(self.log_path, "ab") as logf:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=build_env(self.cfg),
+                start_new_session=True,
+            )
+        log.info("%s: started pid %s on %s", self.name, self._proc.pid, self.url)
+        if wait:
+            self.wait_healthy()
+        return self.url
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Poll ``/health`` until 200; raise with the log tail if the process exits or time runs out."""
+        deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                if self._proc is None or self._proc.poll() is not None:
+                    code = None if self._proc is None else self._proc.returncode
+                    raise RuntimeError(
+                        f"{self.name}: server exited with code {code} before becoming healthy; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.name}: {self.url} not healthy after {self.cfg.startup_timeout_s:.0f}s; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                time.sleep(0.25)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL after ``timeout_s``."""
+        self._stopping = True
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def restart(self) -> str:
+        self.stop()
+        self.restarts += 1
+        return self.start()
+
+    # ---- supervision ----------------------------------------------------------------------
+    def watch(self, interval_s: float = 1.0) -> None:
+        """Start a daemon thread that restarts the server when it dies (up to max_restarts)."""
+        if self._watch is not None:
+            return
+        self._watch = threading.Thread(
+            target=self._watch_loop, args=(interval_s,), daemon=True, name=f"watch-{self.name}"
+        )
+        self._watch.start()
+
+    def _watch_loop(self, interval_s: float) -> None:
+        while True:
+            time.sleep(interval_s)
+            if self._stopping:
+                continue
+            proc = self._proc
+            if proc is None or proc.poll() is None:
+                continue
+            if not self.cfg.restart_on_failure or self.restarts >= self.cfg.max_restarts:
+                log.error("%s: server exited with %s; not restarting", self.name, proc.returncode)
+                self._watch = None
+                return
+            log.warning("%s: server exited with %s; restarting", self.name, proc.returncode)
+            try:
+                self.restart()
+            except Exception:
+                log.exception("%s: restart failed", self.name)
