@@ -1,0 +1,228 @@
+"""Run the whole analysis over a folder of per-rank traces and build ``summary.json``.
+
+Files are parsed and reduced to a compact per-rank result in worker processes (all
+cores, or Ray tasks across nodes with ``use_ray``), so a rank's events never leave its
+worker; the cross-rank analyses then work on those small results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titan_core.trace.breakdown import RankResult, analyze_rank
+from titan_core.trace.categories import TraceConfig, busbw_factor
+from titan_core.trace.critical_path import analyze_steps
+from titan_core.trace.matching import op_keys, participants
+from titan_core.trace.parse import TraceError, find_trace_files, load_cached
+from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
+from titan_core.trace.stragglers import clock_offsets, slow_ranks
+
+
+def _work(path: str, cfg: TraceConfig, cache_dir: str | None) -> RankResult | tuple[str, str]:
+    try:
+        rt = load_cached(path, cfg, cache_dir)
+        return analyze_rank(rt, cfg, -1 if rt.rank is None else rt.rank)
+    except TraceError as exc:
+        return (path, str(exc))
+    except Exception as exc:  # one bad file must not stop the others
+        return (path, f"{type(exc).__name__}: {exc}")
+
+
+def load_ranks(
+    trace_dir: str | Path,
+    cfg: TraceConfig | None = None,
+    workers: int | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    use_ray: bool = False,
+) -> tuple[list[RankResult], list[dict[str, str]]]:
+    """Parse and reduce every trace file; returns results and the problem files."""
+    cfg = cfg or TraceConfig()
+    files = [str(p) for p in find_trace_files(trace_dir)]
+    cache = None if cache_dir is None else str(cache_dir)
+    workers = workers or os.cpu_count() or 1
+    raw: list[Any] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(files), desc="parsing traces", unit="file")
+    if use_ray:
+        import ray  # optional: only for jobs spread over several nodes
+
+        if not ray.is_initialized():
+            ray.init(ignore_reinit_error=True)
+        task = ray.remote(_work)
+        refs = [task.remote(f, cfg, cache) for f in files]
+        while refs:
+            ready, refs = ray.wait(refs, num_returns=1)
+            raw.append(ray.get(ready[0]))
+            if bar:
+                bar.update(1)
+    elif workers <= 1 or len(files) <= 1:
+        for f in files:
+            raw.append(_work(f, cfg, cache))
+            if bar:
+                bar.update(1)
+    else:
+        with ProcessPoolExecutor(min(workers, len(files)), mp_context=get_context("spawn")) as ex:
+            futs = [ex.submit(_work, f, cfg, cache) for f in files]
+            for fut in as_completed(futs):
+                raw.append(fut.result())
+                if bar:
+                    bar.update(1)
+    if bar:
+        bar.close()
+    results: list[RankResult] = []
+    problems: list[dict[str, str]] = []
+    for item in raw:
+        if isinstance(item, tuple):
+            problems.append({"file": item[0], "reason": item[1]})
+        else:
+            results.append(item)
+    rankless = [r for r in results if r.rank < 0]
+    if rankless:
+        if len(results) == 1:
+            rankless[0].rank = 0
+            rankless[0].warnings.append("no rank information; analyzed as rank 0 (only file)")
+        else:
+            for r in rankless:
+                problems.append({"file": r.path, "reason": "no rank information (distributedInfo.rank)"})
+            results = [r for r in results if r.rank >= 0]
+    seen: dict[int, str] = {}
+    unique = []
+    for r in sorted(results, key=lambda x: (x.rank, x.path)):
+        if r.rank in seen:
+            problems.append({"file": r.path, "reason": f"duplicate rank {r.rank} (also {seen[r.rank]})"})
+            continue
+        seen[r.rank] = r.path
+        unique.append(r)
+    return unique, problems
+
+
+def _comm_summary(results: list[RankResult]) -> list[dict[str, Any]]:
+    agg: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in results:
+        for op in r.comm_ops:
+            k = (op.collective, op.pg)
+            a = agg.setdefault(
+                k,
+                {
+                    "collective": op.collective,
+                    "process_group": op.pg,
+                    "algorithms": set(),
+                    "count": 0,
+                    "time_us": 0,
+                    "bytes": 0,
+                    "busbw": [],
+                    "sizes": [],
+                },
+            )
+            a["count"] += 1
+            a["time_us"] += op.dur
+            a["bytes"] += op.nbytes
+            if op.algo:
+                a["algorithms"].add(op.algo)
+            if op.nbytes and op.dur > 0:
+                n = op.group_size or (len(op.pg_ranks) if op.pg_ranks else 2)
+                a["busbw"].append(op.nbytes / op.dur / 1e3 * busbw_factor(op.collective, n))
+                a["sizes"].append(op.nbytes)
+    out = []
+    for a in agg.values():
+        bw, sizes = a.pop("busbw"), a.pop("sizes")
+        a["algorithms"] = sorted(a["algorithms"])
+        a["median_msg_bytes"] = int(np.median(sizes)) if sizes else 0
+        a["median_busbw_GBps"] = round(float(np.median(bw)), 3) if bw else None
+        a["max_busbw_GBps"] = round(float(np.max(bw)), 3) if bw else None
+        out.append(a)
+    out.sort(key=lambda a: -a["time_us"])
+    return out
+
+
+def _rank_entry(r: RankResult) -> dict[str, Any]:
+    steps = []
+    for s in r.steps:
+        steps.append(
+            {
+                "step": s.step,
+                "step_time_us": s.end - s.start,
+                "computation_us": s.computation,
+                "communication_exposed_us": s.communication,
+                "memory_exposed_us": s.memory,
+                "idle_us": s.idle,
+                "comm_comp_overlap_us": s.overlap,
+                "comm_total_us": s.comm_total,
+                "overlap_pct": round(100 * s.overlap / s.comm_total, 2) if s.comm_total else None,
+                "idle_split_us": {
+                    "host_wait": s.host_wait,
+                    "kernel_wait": s.kernel_wait,
+                    "other": s.other_wait,
+                },
+            }
+        )
+    return {
+        "rank": r.rank,
+        "file": r.path,
+        "device": r.meta.get("device"),
+        "compute_stream": r.compute_stream,
+        "kernel_time_us": r.kernel_time_us,
+        "kernel_counts": r.kernel_counts,
+        "steps": steps,
+        "top_kernels": r.top_kernels[:10],
+        "comm_ops": len(r.comm_ops),
+        "warnings": r.warnings,
+    }
+
+
+def build_summary(
+    results: list[RankResult], problems: list[dict[str, str]], pp: int | None = None
+) -> dict[str, Any]:
+    """The cross-rank analyses; the returned dict is what ``summary.json`` holds."""
+    groups = pipeline_groups(results, pp) if results else []
+    resolve_peers(results, groups)
+    keys = op_keys(results)
+    parts = participants(keys)
+    offsets = clock_offsets(results, parts)
+    peer_class: dict[int, Any] = {}
+    for g in groups:
+        for s, rank in enumerate(g):
+            peer_class[rank] = s
+    slow = slow_ranks(results, parts, offsets, peer_class)
+    pipe = pipeline_report(results, groups)
+    # what-if candidates: the slow ranks, else the slowest computing ranks
+    cands = [e["rank"] for e in slow[:4]]
+    if not cands and results:
+        tot = sorted(results, key=lambda r: -sum(s.computation for s in r.steps))
+        cands = [r.rank for r in tot[:2]]
+    cp = analyze_steps(results, keys, offsets, peer_class, cands) if results else {"steps": []}
+    kernels: dict[tuple[str, str], dict[str, Any]] = defaultdict(
+        lambda: {"count": 0, "sum_us": 0, "max_us": 0}
+    )
+    for r in results:
+        for k in r.top_kernels:
+            e = kernels[(k["name"], k["kind"])]
+            e["count"] += k["count"]
+            e["sum_us"] += k["sum_us"]
+            e["max_us"] = max(e["max_us"], k["max_us"])
+    top = sorted(
+        ({"name": n, "kind": kd, **v} for (n, kd), v in kernels.items()),
+        key=lambda x: -x["sum_us"],
+    )[:30]
+    return {
+        "num_ranks": len(results),
+        "problems": problems,
+        "ranks": [_rank_entry(r) for r in results],
+        "top_kernels": top,
+        "communication": _comm_summary(results),
+        "clock_offsets_us": {str(k): round(v, 1) for k, v in sorted(offsets.items())},
+        "slow_ranks": slow,
+        "pipeline": pipe,
+        "critical_path": cp,
+    }

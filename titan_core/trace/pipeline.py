@@ -1,0 +1,163 @@
+"""Pipeline groups, P2P peers, and bubbles per stage beside the schedule's theory.
+
+Groups come from the process groups in the traces (``pg_desc`` naming the pipeline group),
+else from Megatron's rank layout (``--pp``; PP is the outermost dimension of the default
+``tp-cp-ep-dp-pp`` order, so group g is ranks g, g + W/PP, g + 2W/PP, ...), else from the
+P2P traffic itself (connected ranks, ordered by rank).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from titan_core.trace.breakdown import RankResult
+
+
+def pipeline_groups(results: list[RankResult], pp: int | None = None) -> list[list[int]]:
+    ranks = sorted(r.rank for r in results)
+    present = set(ranks)
+    groups: list[list[int]] = []
+    seen: set[tuple[int, ...]] = set()
+    for r in results:
+        for pg in r.meta.get("pg_config") or []:
+            desc = str(pg.get("pg_desc") or "").lower()
+            if ("pipeline" in desc or desc.startswith("pp")) and len(pg["ranks"]) > 1:
+                t = tuple(pg["ranks"])
+                if t not in seen and present & set(t):
+                    seen.add(t)
+                    groups.append(list(t))
+    if groups:
+        return groups
+    if pp and pp > 1:
+        world = max(max(ranks) + 1, max((r.meta.get("world_size") or 0) for r in results))
+        stride = world // pp
+        return [[g + k * stride for k in range(pp)] for g in range(stride)]
+    # from P2P peers
+    adj: dict[int, set[int]] = defaultdict(set)
+    for r in results:
+        for op in r.comm_ops:
+            for _, peer in op.p2p:
+                if peer is not None and peer != r.rank:
+                    adj[r.rank].add(peer)
+                    adj[peer].add(r.rank)
+    done: set[int] = set()
+    for start in sorted(adj):
+        if start in done:
+            continue
+        comp, todo = set(), [start]
+        while todo:
+            x = todo.pop()
+            if x in comp:
+                continue
+            comp.add(x)
+            todo.extend(adj[x] - comp)
+        done |= comp
+        groups.append(sorted(comp))
+    return groups
+
+
+def resolve_peers(results: list[RankResult], groups: list[list[int]]) -> int:
+    """Fill unknown P2P peers from pipeline adjacency and the microbatch phase (forward
+    sends go to the next stage, backward sends to the previous one). Returns how many."""
+    stage_of = {r: (gi, s) for gi, g in enumerate(groups) for s, r in enumerate(g)}
+    n = 0
+    for r in results:
+        if r.rank not in stage_of:
+            continue
+        gi, s = stage_of[r.rank]
+        g = groups[gi]
+        for op in r.comm_ops:
+            if not op.p2p or op.phase not in ("fwd", "bwd"):
+                continue
+            new = []
+            for d, peer in op.p2p:
+                if peer is None:
+                    step = 1 if (d == "send") == (op.phase == "fwd") else -1
+                    t = s + step
+                    if 0 <= t < len(g):
+                        peer = g[t]
+                        n += 1
+                new.append((d, peer))
+            op.p2p = new
+    return n
+
+
+def theoretical_bubble(p: int, m: int | None, v: int = 1) -> dict[str, float | None]:
+    """Bubble fraction of a step: 1F1B (p-1)/(m+p-1); interleaved (p-1)/(v*m+p-1)."""
+    if not m or p < 2:
+        return {"1f1b": None, "interleaved": None}
+    return {
+        "1f1b": (p - 1) / (m + p - 1),
+        "interleaved": (p - 1) / (v * m + p - 1) if v > 1 else None,
+    }
+
+
+def _microbatch_count(first: RankResult) -> tuple[int | None, int]:
+    counts, vs = [], 1
+    for s in first.steps:
+        fwd = {(m[1], m[2]) for m in s.microbatches if m[0] == "fwd"}
+        if fwd:
+            mbs = {m[1] for m in s.microbatches if m[0] == "fwd"}
+            counts.append(len(mbs))
+            vs = max(vs, 1 + max(m[2] for m in s.microbatches))
+    if counts:
+        return int(np.median(counts)), vs
+    sends = defaultdict(int)
+    for op in first.comm_ops:
+        if op.step >= 0 and any(d == "send" for d, _ in op.p2p):
+            sends[op.step] += 1
+    if sends:
+        return int(np.median(list(sends.values()))), 1
+    return None, 1
+
+
+def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[str, Any]:
+    by_rank = {r.rank: r for r in results}
+    out_groups = []
+    for g in groups:
+        members = [by_rank[r] for r in g if r in by_rank]
+        if len(members) < 2:
+            continue
+        m, v = _microbatch_count(members[0])
+        steps_common = set.intersection(*[{s.step for s in r.steps} for r in members])
+        windows = {}
+        for n in steps_common:
+            lo = min(s.start for r in members for s in r.steps if s.step == n)
+            hi = max(s.end for r in members for s in r.steps if s.step == n)
+            windows[n] = (lo, hi)
+        stages = []
+        for si, r in enumerate(members):
+            ratios, bubble = [], 0
+            for s in r.steps:
+                if s.step in windows:
+                    lo, hi = windows[s.step]
+                    idle = (hi - lo) - s.computation
+                    ratios.append(idle / max(1, hi - lo))
+                    bubble += idle
+            stages.append(
+                {
+                    "stage": si,
+                    "rank": r.rank,
+                    "bubble_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
+                    "bubble_us": int(bubble / max(1, len(ratios))),
+                    "compute_us": int(
+                        np.mean([s.computation for s in r.steps if s.step in windows] or [0])
+                    ),
+                }
+            )
+        theory = theoretical_bubble(len(g), m, v)
+        out_groups.append(
+            {
+                "ranks": g,
+                "stages": stages,
+                "num_microbatches": m,
+                "virtual_stages": v,
+                "theoretical_bubble_ratio": theory,
+                "steps": sorted(steps_common),
+                "step_windows": {str(k): list(w) for k, w in sorted(windows.items())},
+            }
+        )
+    return {"groups": out_groups}
