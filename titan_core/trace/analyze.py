@@ -94,13 +94,17 @@ def load_ranks(
             rankless[0].warnings.append("no rank information; analyzed as rank 0 (only file)")
         else:
             for r in rankless:
-                problems.append({"file": r.path, "reason": "no rank information (distributedInfo.rank)"})
+                problems.append(
+                    {"file": r.path, "reason": "no rank information (distributedInfo.rank)"}
+                )
             results = [r for r in results if r.rank >= 0]
     seen: dict[int, str] = {}
     unique = []
     for r in sorted(results, key=lambda x: (x.rank, x.path)):
         if r.rank in seen:
-            problems.append({"file": r.path, "reason": f"duplicate rank {r.rank} (also {seen[r.rank]})"})
+            problems.append(
+                {"file": r.path, "reason": f"duplicate rank {r.rank} (also {seen[r.rank]})"}
+            )
             continue
         seen[r.rank] = r.path
         unique.append(r)

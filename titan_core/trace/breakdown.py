@@ -272,9 +272,7 @@ def _step_stats(
         if not los:
             return []
         windows = [(0, int(min(x[0] for x in los)), int(max(his)))]
-    union_all = iv.merge(
-        np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets])
-    )
+    union_all = iv.merge(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:

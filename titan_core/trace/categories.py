@@ -48,7 +48,12 @@ class TraceConfig:
     )
     #: host-side launch events carrying the ``correlation`` of a device event
     launch_cats: list[str] = field(
-        default_factory=lambda: ["cuda_runtime", "cuda_driver", "mtia_runtime", "privateuse1_runtime"]
+        default_factory=lambda: [
+            "cuda_runtime",
+            "cuda_driver",
+            "mtia_runtime",
+            "privateuse1_runtime",
+        ]
     )
     #: host-side communication ops (CPU-only traces, P2P direction and peer lookup)
     cpu_comm_patterns: list[str] = field(

@@ -83,5 +83,7 @@ def _print_summary(s: dict, secs: float, out: Path) -> None:
         print(f"  slow rank {e['rank']}: {e['severity_us'] / 1e3:.2f} ms  {e['evidence']}")
     for g in s["pipeline"]["groups"][:2]:
         br = ", ".join(f"{x['bubble_ratio']}" for x in g["stages"])
-        print(f"  pipeline {g['ranks']}: bubble ratios [{br}] theory {g['theoretical_bubble_ratio']}")
+        print(
+            f"  pipeline {g['ranks']}: bubble ratios [{br}] theory {g['theoretical_bubble_ratio']}"
+        )
     print(f"wrote {out / 'summary.json'}")

@@ -124,7 +124,9 @@ def _from_kernels(kernels: pl.DataFrame, host: pl.DataFrame, titan: pl.DataFrame
     starts = {t: np.array([r["ts"] for r in rows]) for t, rows in by_tid.items()}
     last_launch: dict[str, int] = {}
     ops = []
-    rows = kernels.with_columns(pl.col("name").cast(pl.String), pl.col("launch_tid").cast(pl.String))
+    rows = kernels.with_columns(
+        pl.col("name").cast(pl.String), pl.col("launch_tid").cast(pl.String)
+    )
     for k in rows.sort("ts").iter_rows(named=True):
         coll_k, algo = collective_from_kernel(k["name"])
         info: dict[str, Any] = dict(k)
@@ -137,7 +139,18 @@ def _from_kernels(kernels: pl.DataFrame, host: pl.DataFrame, titan: pl.DataFrame
             # host ranges that enclose the launch give the op's args and name
             for r in reversed(hrows[max(0, i1 - 8) : i1]):
                 if r["end"] >= lts:
-                    for key in ("coll", "in_n", "out_n", "gsize", "dtype", "pg_name", "pg_ranks", "seq", "in_dims", "in_type"):
+                    for key in (
+                        "coll",
+                        "in_n",
+                        "out_n",
+                        "gsize",
+                        "dtype",
+                        "pg_name",
+                        "pg_ranks",
+                        "seq",
+                        "in_dims",
+                        "in_type",
+                    ):
                         if info.get(key) is None and r.get(key) is not None:
                             info[key] = r[key]
                     if info.get("coll") is None and ":" in r["name"]:
@@ -167,9 +180,7 @@ def _dedupe(p2p: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
     return out
 
 
-def _make_op(
-    ts: int, end: int, info: dict[str, Any], coll_k: str, algo: str, p2p: list
-) -> CommOp:
+def _make_op(ts: int, end: int, info: dict[str, Any], coll_k: str, algo: str, p2p: list) -> CommOp:
     coll = normalize_collective(info["coll"]) if info.get("coll") else coll_k
     if coll in ("sendrecv", "send", "recv") and not p2p:
         p2p = []
@@ -198,7 +209,9 @@ def _from_host(host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
     mb_ts, mb_end = mbs["ts"].to_numpy(), mbs["end"].to_numpy()
     mb_names = mbs["name"].to_list()
     p2p_ranges = titan.filter(pl.col("name").str.contains(_TITAN_P2P_RE.pattern))
-    rows = list(pl.concat([host, p2p_ranges], how="vertical_relaxed").sort("ts").iter_rows(named=True))
+    rows = list(
+        pl.concat([host, p2p_ranges], how="vertical_relaxed").sort("ts").iter_rows(named=True)
+    )
     ops: list[CommOp] = []
     i = 0
     while i < len(rows):
@@ -208,7 +221,18 @@ def _from_host(host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
         j = i + 1
         while j < len(rows) and rows[j]["ts"] <= top["end"] and rows[j]["tid"] == top["tid"]:
             names.append(rows[j]["name"])
-            for key in ("coll", "in_n", "out_n", "gsize", "dtype", "pg_name", "pg_ranks", "seq", "in_dims", "in_type"):
+            for key in (
+                "coll",
+                "in_n",
+                "out_n",
+                "gsize",
+                "dtype",
+                "pg_name",
+                "pg_ranks",
+                "seq",
+                "in_dims",
+                "in_type",
+            ):
                 if info.get(key) is None and rows[j].get(key) is not None:
                     info[key] = rows[j][key]
             j += 1

@@ -310,7 +310,9 @@ def _frame(cols: dict[str, list[Any]]) -> pl.DataFrame:
     return pl.DataFrame(cols, schema=SCHEMA)
 
 
-def _frames(both: tuple[dict[str, list[Any]], dict[str, list[Any]]]) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _frames(
+    both: tuple[dict[str, list[Any]], dict[str, list[Any]]],
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     return pl.DataFrame(both[0], schema=SCHEMA), pl.DataFrame(both[1], schema=OPS_SCHEMA)
 
 

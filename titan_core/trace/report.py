@@ -70,8 +70,14 @@ def _figures(s: dict[str, Any], results: list[RankResult]) -> list[tuple[str, st
                 ax.broken_barh([(0, (hi - lo) / 1e3)], (si - 0.4, 0.8), color="tab:red", alpha=0.15)
                 for op in r.comm_ops:
                     if op.step == step and op.p2p:
-                        ax.broken_barh([((op.ts - lo) / 1e3, max(op.dur, 1) / 1e3)], (si - 0.4, 0.25), color="tab:green")
-            ax.set_yticks(range(len(g["ranks"])), [f"stage {i} (rank {r})" for i, r in enumerate(g["ranks"])])
+                        ax.broken_barh(
+                            [((op.ts - lo) / 1e3, max(op.dur, 1) / 1e3)],
+                            (si - 0.4, 0.25),
+                            color="tab:green",
+                        )
+            ax.set_yticks(
+                range(len(g["ranks"])), [f"stage {i} (rank {r})" for i, r in enumerate(g["ranks"])]
+            )
             ax.invert_yaxis()
             ax.set_xlabel(f"ms since step {step} start (blue compute, red bubble, green P2P)")
             figs.append((f"Pipeline group {g['ranks'][:8]} timeline, step {step}", _png(fig)))
@@ -136,16 +142,57 @@ def write_report(summary: dict[str, Any], results: list[RankResult], path: str |
     for title, src in _figures(summary, results):
         parts.append(f"<h2>{html.escape(title)}</h2><img src='{src}'>")
     parts.append("<h2>Slow ranks</h2>")
-    parts.append(_table([{**e, **e["evidence"]} for e in summary["slow_ranks"][:20]], ["rank", "severity_us", "last_arrivals", "late_delay_us", "compute_outlier_steps", "compute_excess_us"]))
+    parts.append(
+        _table(
+            [{**e, **e["evidence"]} for e in summary["slow_ranks"][:20]],
+            [
+                "rank",
+                "severity_us",
+                "last_arrivals",
+                "late_delay_us",
+                "compute_outlier_steps",
+                "compute_excess_us",
+            ],
+        )
+    )
     for g in summary["pipeline"]["groups"][:4]:
         parts.append(f"<h2>Pipeline group {html.escape(str(g['ranks']))}</h2>")
-        parts.append(f"<p>microbatches {g['num_microbatches']}, virtual stages {g['virtual_stages']}, theoretical bubble {g['theoretical_bubble_ratio']}</p>")
-        parts.append(_table(g["stages"], ["stage", "rank", "bubble_ratio", "bubble_us", "compute_us"]))
+        parts.append(
+            f"<p>microbatches {g['num_microbatches']}, virtual stages {g['virtual_stages']}, theoretical bubble {g['theoretical_bubble_ratio']}</p>"
+        )
+        parts.append(
+            _table(g["stages"], ["stage", "rank", "bubble_ratio", "bubble_us", "compute_us"])
+        )
     for st in summary["critical_path"]["steps"]:
         cp = st["critical_path"]
-        parts.append(f"<h2>Critical path, step {st['step']}</h2><p>observed {st['observed_us']} us, replayed {st['replayed_us']} us; by kind {cp['time_by_kind_us']}</p>")
+        parts.append(
+            f"<h2>Critical path, step {st['step']}</h2><p>observed {st['observed_us']} us, replayed {st['replayed_us']} us; by kind {cp['time_by_kind_us']}</p>"
+        )
         parts.append(_table(st["what_if"], ["rank", "speedup_of_rank", "step_us", "saved_us"]))
-    parts.append("<h2>Communication</h2>" + _table(summary["communication"][:30], ["collective", "process_group", "algorithms", "count", "time_us", "median_msg_bytes", "median_busbw_GBps"]))
-    parts.append("<h2>Ranks</h2>" + _table([{"rank": r["rank"], **r["kernel_time_us"], "steps": len(r["steps"])} for r in summary["ranks"][:256]], ["rank", "computation", "communication", "memory", "steps"]))
+    parts.append(
+        "<h2>Communication</h2>"
+        + _table(
+            summary["communication"][:30],
+            [
+                "collective",
+                "process_group",
+                "algorithms",
+                "count",
+                "time_us",
+                "median_msg_bytes",
+                "median_busbw_GBps",
+            ],
+        )
+    )
+    parts.append(
+        "<h2>Ranks</h2>"
+        + _table(
+            [
+                {"rank": r["rank"], **r["kernel_time_us"], "steps": len(r["steps"])}
+                for r in summary["ranks"][:256]
+            ],
+            ["rank", "computation", "communication", "memory", "steps"],
+        )
+    )
     parts.append("</body></html>")
     Path(path).write_text("\n".join(parts))

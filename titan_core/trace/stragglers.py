@@ -22,10 +22,15 @@ def clock_offsets(
 ) -> dict[int, float]:
     by_rank = {r.rank: r for r in results}
     offsets = {r.rank: 0.0 for r in results}
+    # collectives end together on all members; P2P sides only roughly, so they are used
+    # only for ranks that share no collective
+    in_coll = {r for k, m in parts.items() if k[0] == "c" and len(m) > 1 for r, _ in m}
     for _ in range(3):
         resid: dict[int, list[float]] = defaultdict(list)
-        for members in parts.values():
+        for key, members in parts.items():
             if len(members) < 2:
+                continue
+            if key[0] != "c" and all(r in in_coll for r, _ in members):
                 continue
             ends = np.array([by_rank[r].comm_ops[i].end - offsets[r] for r, i in members])
             med = float(np.median(ends))
@@ -70,12 +75,14 @@ def compute_outliers(
             table[(peer_class.get(r.rank, 0), s.step)].append((r.rank, s.computation))
     out: dict[int, dict[str, float]] = defaultdict(lambda: {"steps": 0, "excess_us": 0.0})
     for vals in table.values():
-        if len(vals) < 3:
+        if len(vals) < 2:
             continue
         x = np.array([v for _, v in vals], dtype=float)
-        med = float(np.median(x))
-        mad = float(np.median(np.abs(x - med))) * 1.4826
-        for (rank, v), xv in zip(vals, x, strict=True):
+        for j, (rank, _) in enumerate(vals):
+            others = np.delete(x, j)
+            med = float(np.median(others))
+            mad = float(np.median(np.abs(others - med))) * 1.4826
+            xv = x[j]
             if xv > med * 1.05 and (mad == 0 or (xv - med) / mad > 3.0):
                 out[rank]["steps"] += 1
                 out[rank]["excess_us"] += xv - med
@@ -99,7 +106,12 @@ def slow_ranks(
         n = lt["n"] if lt else 0
         members = max(2, np.median([len(m) for m in parts.values()] or [2]))
         # arriving last more often than chance, with a visible delay
-        late_flag = lt is not None and n > 0 and lt["last"] / n > 2.0 / members and lt["delay_us"] > 0
+        late_flag = (
+            lt is not None
+            and n > 0
+            and lt["last"] / n > 1.0 / members + 0.25
+            and lt["delay_us"] > 0
+        )
         comp_flag = co is not None and co["steps"] > 0
         if not (late_flag or comp_flag):
             continue

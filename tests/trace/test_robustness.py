@@ -1,0 +1,71 @@
+"""Bad files are reported by name and the rest analyzed; ROCm and CPU-only traces parse."""
+
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+from titan_core.trace.analyze import build_summary, load_ranks
+from titan_core.trace.cli import main
+from titan_core.trace.parse import parse_file
+
+
+def test_bad_files_reported_rest_analyzed(traces: Path, tmp_path: Path) -> None:
+    d = tmp_path / "job"
+    d.mkdir()
+    shutil.copy(traces / "trace_filter/sampled_rank-0.json.gz", d / "rank0.json.gz")
+    shutil.copy(traces / "trace_filter/sampled_rank-1.json.gz", d / "rank1.json.gz")
+    raw = gzip.decompress((traces / "trace_filter/sampled_rank-1.json.gz").read_bytes())
+    (d / "truncated.json.gz").write_bytes(gzip.compress(raw[: len(raw) // 2]))
+    (d / "cut_gzip.json.gz").write_bytes((d / "rank1.json.gz").read_bytes()[:5000])
+    (d / "garbage.json").write_text("{not json")
+    shutil.copy(traces / "rank_unavailable/rank_not_found.json.gz", d / "norank.json.gz")
+    results, problems = load_ranks(d, workers=2, progress=False)
+    assert sorted(r.rank for r in results) == [0, 1]
+    bad = {Path(p["file"]).name: p["reason"] for p in problems}
+    assert set(bad) == {"truncated.json.gz", "cut_gzip.json.gz", "garbage.json", "norank.json.gz"}
+    assert "no rank" in bad["norank.json.gz"]
+    out = tmp_path / "report"
+    assert (
+        main(["analyze", str(d), "--out", str(out), "--no-cache", "--quiet", "--workers", "1"]) == 0
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["problems"]) == 4
+    assert (out / "report.html").read_text().count("data:image/png;base64,") >= 3
+
+
+def test_rocm_and_cpu_only_parse(traces: Path) -> None:
+    amd = parse_file(next((traces / "amd_trace").glob("*.gz")))
+    assert amd.meta["device"] == "rocm" and amd.events.height > 0
+    cpu = parse_file(next((traces / "cpu_only").glob("*.gz")))
+    assert cpu.rank == 34 and cpu.meta["device"] == "cpu"
+    results, _ = load_ranks(traces / "cpu_only", workers=1, progress=False)
+    s = build_summary(results, [])
+    r = s["ranks"][0]
+    assert r["compute_stream"] == "cpu"
+    assert r["comm_ops"] == 10  # the gloo:all_reduce ranges
+    assert r["steps"][0]["comm_total_us"] > 0
+
+
+def test_single_rankless_file_is_rank_zero(traces: Path) -> None:
+    results, problems = load_ranks(traces / "amd_trace", workers=1, progress=False)
+    assert [r.rank for r in results] == [0] and not problems
+    assert results[0].kernel_time_us["computation"] > 0
+
+
+def test_parse_cache_roundtrip(traces: Path, tmp_path: Path) -> None:
+    src = traces / "nccl_parser_config"
+    a, _ = load_ranks(src, workers=1, progress=False, cache_dir=tmp_path)
+    assert list(tmp_path.glob("*.parquet"))
+    b, _ = load_ranks(src, workers=1, progress=False, cache_dir=tmp_path)
+    assert a[0].kernel_time_us == b[0].kernel_time_us
+    assert len(a[0].comm_ops) == len(b[0].comm_ops) == 21
+
+
+def test_import_is_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, titan_core.trace.cli, titan_core.trace.analyze; print('torch' in sys.modules, 'megatron' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
