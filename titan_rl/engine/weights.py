@@ -256,7 +256,6 @@ def join_weight_update_group(
     )
     prefixed = dist.PrefixStore(f"titan_weight_update/{group_name}", store)
     pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    pg._titan_store = store  # keep the store alive as long as the group
     return pg
 
 
@@ -275,7 +274,7 @@ def receive_broadcast(
     if load_format == "flattened_bucket":
         nbytes = sum(t.numel() * t.element_size() for _, t in empties)
         flat = torch.empty(nbytes, dtype=torch.uint8)
-        pg.broadcast([flat], 0).wait()
+        pg.broadcast(flat, 0).wait()
         offset, out = 0, []
         for n, t in empties:
             size = t.numel() * t.element_size()
@@ -283,5 +282,17 @@ def receive_broadcast(
             offset += size
         return out
     for _, t in empties:
-        pg.broadcast([t], 0).wait()
+        pg.broadcast(t, 0).wait()
     return empties
+
+
+def broadcast_named_tensors(
+    pg: dist.ProcessGroup, named: list[tuple[str, torch.Tensor]], load_format: str | None = None
+) -> None:
+    """Trainer side (rank 0) of :func:`receive_broadcast`: send in the same order and layout."""
+    if load_format == "flattened_bucket":
+        flat, _ = flatten_named_tensors(named)
+        pg.broadcast(flat, 0).wait()
+        return
+    for _, t in named:
+        pg.broadcast(t.detach().contiguous(), 0).wait()
