@@ -116,7 +116,7 @@ class Accelerator(ABC):
     # ---- capabilities and communication ------------------------------------------------
     def supports(self, capability: str) -> bool:
         """Capabilities: requires_cpu_initialization, fused_kernels, transformer_engine,
-        deep_ep, ipc_handles, pin_memory, fp8."""
+        deep_ep, ipc_handles, pin_memory, fp8, batched_p2p (batched isend/irecv is safe)."""
         return False
 
     def autocast(self, dtype: torch.dtype | None = None, enabled: bool = True) -> Any:

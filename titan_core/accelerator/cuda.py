@@ -91,7 +91,7 @@ class CudaAccelerator(Accelerator):
         self.accelerator_module.set_rng_state(state, device or self.device_type)
 
     def supports(self, capability: str) -> bool:
-        if capability in {"fused_kernels", "ipc_handles", "pin_memory"}:
+        if capability in {"fused_kernels", "ipc_handles", "pin_memory", "batched_p2p"}:
             return True
         if capability in {"transformer_engine", "fp8"}:
             return _importable("transformer_engine")

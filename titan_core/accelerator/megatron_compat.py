@@ -91,8 +91,13 @@ def _cpu_rng_set(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     torch.set_rng_state(state.cpu() if state.device.type != "cpu" else state)
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
+def _noop_factory(name: str) -> Callable[..., None]:
+    # One function object per patched name: torch.compile's rule table keys on identity.
+    def noop(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    noop.__name__ = noop.__qualname__ = name
+    return noop
 
 
 def _install_cpu(accel: Accelerator) -> None:
@@ -100,21 +105,21 @@ def _install_cpu(accel: Accelerator) -> None:
     cuda = torch.cuda
     # 1. device queries, sync, memory
     _patch(cuda, "current_device", accel.current_device)
-    _patch(cuda, "set_device", _noop)
-    _patch(cuda, "synchronize", _noop)
-    _patch(cuda, "empty_cache", _noop)
+    _patch(cuda, "set_device", _noop_factory("set_device"))
+    _patch(cuda, "synchronize", _noop_factory("synchronize"))
+    _patch(cuda, "empty_cache", _noop_factory("empty_cache"))
     _patch(cuda, "memory_allocated", lambda *a, **k: accel.memory_allocated())
     _patch(cuda, "max_memory_allocated", lambda *a, **k: accel.max_memory_allocated())
     _patch(cuda, "memory_reserved", lambda *a, **k: accel.memory_reserved())
     _patch(cuda, "max_memory_reserved", lambda *a, **k: accel.memory_reserved())
-    _patch(cuda, "reset_peak_memory_stats", _noop)
+    _patch(cuda, "reset_peak_memory_stats", _noop_factory("reset_peak_memory_stats"))
     _patch(cuda, "mem_get_info", lambda *a, **k: accel.mem_get_info())
     # 2. RNG
     _patch(cuda, "get_rng_state", _cpu_rng_get)
     _patch(cuda, "set_rng_state", _cpu_rng_set)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
     _patch(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
-    _patch(cuda, "manual_seed_all", _noop)
+    _patch(cuda, "manual_seed_all", _noop_factory("manual_seed_all"))
     random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
     _patch(random_mod, "_get_cuda_rng_state", lambda *a, clone=False, **k: _cpu_rng_get().clone())
     _patch(random_mod, "_set_cuda_rng_state", lambda state, *a, **k: _cpu_rng_set(state))
@@ -156,10 +161,10 @@ def _install_cpu(accel: Accelerator) -> None:
     _patch(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     # 7. nvtx
     nvtx = importlib.import_module("torch.cuda.nvtx")
-    _patch(nvtx, "range_push", _noop)
-    _patch(nvtx, "range_pop", _noop)
+    _patch(nvtx, "range_push", _noop_factory("range_push"))
+    _patch(nvtx, "range_pop", _noop_factory("range_pop"))
     _patch(nvtx, "range", lambda *a, **k: contextlib.nullcontext())
-    _patch(nvtx, "mark", _noop)
+    _patch(nvtx, "mark", _noop_factory("mark"))
     # 6. MoE all-to-all split sizes
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     original_move = moe_utils.maybe_move_tensor_to_cpu

@@ -39,7 +39,7 @@ class MusaAccelerator(CudaAccelerator):
         return bool(module is not None and module.is_available())
 
     def supports(self, capability: str) -> bool:
-        if capability in {"fused_kernels", "ipc_handles", "pin_memory"}:
+        if capability in {"fused_kernels", "ipc_handles", "pin_memory", "batched_p2p"}:
             return True
         if capability in {"transformer_engine", "fp8"}:
             return _importable("transformer_engine")  # MT-TransformerEngine

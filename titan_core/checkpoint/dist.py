@@ -48,19 +48,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _model_state(model: list, is_loading: bool = False) -> dict[str, Any]:
+def unwrap(module: Any) -> Any:
+    """The model inside DDP / Float16Module wrappers (their keys carry no ``module.``)."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _model_state(model: list) -> dict[str, Any]:
     if len(model) == 1:
-        return {"model": model[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
 
 
 def _full_state(model: list, optimizer: Any, is_loading: bool) -> dict[str, Any]:
     state = _model_state(model)
     if optimizer is not None:
-        model_state = {}
-        for v in state.values():
-            model_state.update(v)
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        # The nested dict as is: chunks share local key names, their sharded keys differ.
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
     return state
 
 
@@ -115,10 +120,10 @@ def load_checkpoint(
     state["common"] = {}
     loaded = dist_checkpointing.load(state, str(path))
     if len(model) == 1:
-        model[0].load_state_dict(loaded["model"])
+        unwrap(model[0]).load_state_dict(loaded["model"])
     else:
         for i, chunk in enumerate(model):
-            chunk.load_state_dict(loaded[f"model{i}"])
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     return loaded.get("common", {})

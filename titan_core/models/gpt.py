@@ -79,7 +79,9 @@ def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> Transfo
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         sequence_parallel=p.sequence_parallel,
         overlap_p2p_comm=p.overlap_p2p_comm and p.virtual_pipeline_model_parallel_size is not None,
-        batch_p2p_comm=not (p.overlap_p2p_comm and p.virtual_pipeline_model_parallel_size),
+        # gloo's batched isend/irecv misorders interleaved-schedule messages (seen on CPU).
+        batch_p2p_comm=accel.supports("batched_p2p")
+        and not (p.overlap_p2p_comm and p.virtual_pipeline_model_parallel_size),
         overlap_moe_expert_parallel_comm=p.overlap_moe_expert_parallel_comm,
         delay_wgrad_compute=p.delay_wgrad_compute,
         params_dtype=dtype,
