@@ -31,16 +31,32 @@ from titan_rl.rollout import SGLangClient
 
 def test_sglang_command_line() -> None:
     cfg = EngineServerConfig(
-        model_path="/models/qwen3", backend="sglang", tp_size=4, base_gpu_id=4, mem_fraction_static=0.7,
-        enable_memory_saver=True, api_key="k", weight_version="v3", extra_args=["--disable-radix-cache"],
+        model_path="/models/qwen3",
+        backend="sglang",
+        tp_size=4,
+        base_gpu_id=4,
+        mem_fraction_static=0.7,
+        enable_memory_saver=True,
+        api_key="k",
+        weight_version="v3",
+        extra_args=["--disable-radix-cache"],
     )
     for device in ("cuda", "musa"):
         cmd = build_command(cfg, 31000, "sglang", device)
         assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
         flags = " ".join(cmd[3:])
-        for expected in ("--model-path /models/qwen3", "--host 127.0.0.1", "--port 31000", "--tp-size 4",
-                         "--base-gpu-id 4", "--mem-fraction-static 0.7", "--enable-memory-saver",
-                         f"--device {device}", "--api-key k", "--weight-version v3"):
+        for expected in (
+            "--model-path /models/qwen3",
+            "--host 127.0.0.1",
+            "--port 31000",
+            "--tp-size 4",
+            "--base-gpu-id 4",
+            "--mem-fraction-static 0.7",
+            "--enable-memory-saver",
+            f"--device {device}",
+            "--api-key k",
+            "--weight-version v3",
+        ):
             assert expected in flags
         assert cmd[-1] == "--disable-radix-cache"
 
@@ -52,7 +68,9 @@ def test_builtin_command_line_and_backend_choice(tiny_model: Path) -> None:
         with pytest.raises(ValueError, match="use backend 'builtin'"):
             resolve_backend(EngineServerConfig(model_path="m", backend="sglang"))
     cmd = build_command(cfg, 31001, "builtin", "cpu")
-    assert cmd[1:3] == ["-m", "titan_rl.engine"] and "--num-threads" in cmd and "--tp-size" not in cmd
+    assert (
+        cmd[1:3] == ["-m", "titan_rl.engine"] and "--num-threads" in cmd and "--tp-size" not in cmd
+    )
     router = build_router_command(RouterConfig(policy="round_robin"), 32000, api_key="k")
     assert router[1:3] == ["-m", "sglang_router.launch_router"]
     assert "--worker-urls" not in router and "--api-key" in router  # workers come via POST /workers
@@ -60,29 +78,56 @@ def test_builtin_command_line_and_backend_choice(tiny_model: Path) -> None:
 
 def test_typed_config_names_the_bad_key(tmp_path: Path) -> None:
     good = tmp_path / "rollout.yaml"
-    good.write_text("num_engines: 2\nserver:\n  model_path: /m\n  tp_size: 2\nrouter:\n  policy: random\n")
+    good.write_text(
+        "num_engines: 2\nserver:\n  model_path: /m\n  tp_size: 2\nrouter:\n  policy: random\n"
+    )
     cfg = load_config(RolloutEnginesConfig, good, ["server.mem_fraction_static=0.5"])
-    assert cfg.num_engines == 2 and cfg.server.mem_fraction_static == 0.5 and cfg.router.policy == "random"
+    assert (
+        cfg.num_engines == 2
+        and cfg.server.mem_fraction_static == 0.5
+        and cfg.router.policy == "random"
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("server:\n  model_path: /m\n  tp_szie: 2\n")
     with pytest.raises(ConfigError, match=r"server\.tp_szie: unknown key"):
         load_config(RolloutEnginesConfig, bad)
     with pytest.raises(ConfigError, match="tp_size 1"):
-        load_config(RolloutEnginesConfig, None, ["server.model_path=/m", "server.backend=builtin", "server.tp_size=2"])
+        load_config(
+            RolloutEnginesConfig,
+            None,
+            ["server.model_path=/m", "server.backend=builtin", "server.tp_size=2"],
+        )
 
 
 def test_engine_cli_rejects_tp_size(tiny_model: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "titan_rl.engine", "--model-path", str(tiny_model), "--tp-size", "2"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(Path.cwd())},
+        [
+            sys.executable,
+            "-m",
+            "titan_rl.engine",
+            "--model-path",
+            str(tiny_model),
+            "--tp-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
     )
     assert proc.returncode != 0 and "--tp-size 2" in proc.stderr and "tp_size 1" in proc.stderr
 
 
 @pytest.mark.slow
 def test_server_restarted_after_it_dies(tiny_model: Path, tmp_path: Path) -> None:
-    cfg = EngineServerConfig(model_path=str(tiny_model), backend="builtin", num_threads=1,
-                             log_dir=str(tmp_path), max_restarts=1, startup_timeout_s=120)
+    cfg = EngineServerConfig(
+        model_path=str(tiny_model),
+        backend="builtin",
+        num_threads=1,
+        log_dir=str(tmp_path),
+        max_restarts=1,
+        startup_timeout_s=120,
+    )
     server = ServerProcess(cfg, name="supervised")
     try:
         server.start()
@@ -94,8 +139,11 @@ def test_server_restarted_after_it_dies(tiny_model: Path, tmp_path: Path) -> Non
             assert time.monotonic() < deadline, server.log_tail()
             time.sleep(0.2)
         server.wait_healthy(60)
-        out = httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-                         timeout=30)
+        out = httpx.post(
+            server.url + "/generate",
+            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+            timeout=30,
+        )
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 2
     finally:
         server.stop()
@@ -103,14 +151,29 @@ def test_server_restarted_after_it_dies(tiny_model: Path, tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_ray_engine_group_behind_router(tiny_model: Path, tmp_path: Path) -> None:
+def test_ray_engine_group_behind_router(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ray = pytest.importorskip("ray")
-    cfg = load_config(RolloutEnginesConfig, None, [
-        "num_engines=2", f"server.model_path={tiny_model}", "server.num_threads=1",
-        f"server.log_dir={tmp_path}", "router.policy=round_robin", f"router.log_dir={tmp_path}",
-    ])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(Path.cwd())}})
+    monkeypatch.setenv("RAY_raylet_start_wait_time_s", "120")  # loaded CI machines start slowly
+    cfg = load_config(
+        RolloutEnginesConfig,
+        None,
+        [
+            "num_engines=2",
+            f"server.model_path={tiny_model}",
+            "server.num_threads=1",
+            f"server.log_dir={tmp_path}",
+            "router.policy=round_robin",
+            f"router.log_dir={tmp_path}",
+        ],
+    )
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(Path.cwd())}},
+    )
     group = RolloutEngineGroup(cfg)
     try:
         url = group.start()
@@ -119,7 +182,10 @@ def test_ray_engine_group_behind_router(tiny_model: Path, tmp_path: Path) -> Non
         async def main() -> list:
             async with SGLangClient(url) as client:
                 return await asyncio.gather(
-                    *[client.generate([i + 2], {"max_new_tokens": 3, "ignore_eos": True}) for i in range(6)]
+                    *[
+                        client.generate([i + 2], {"max_new_tokens": 3, "ignore_eos": True})
+                        for i in range(6)
+                    ]
                 )
 
         outs = asyncio.run(main())
@@ -139,13 +205,21 @@ def test_ray_engine_group_behind_router(tiny_model: Path, tmp_path: Path) -> Non
     reason="launching real SGLang needs a CUDA/MUSA device and the sglang package",
 )
 def test_real_sglang_server_starts(tiny_model: Path, tmp_path: Path) -> None:
-    cfg = EngineServerConfig(model_path=str(tiny_model), backend="sglang", mem_fraction_static=0.3,
-                             skip_tokenizer_init=True, log_dir=str(tmp_path))
+    cfg = EngineServerConfig(
+        model_path=str(tiny_model),
+        backend="sglang",
+        mem_fraction_static=0.3,
+        skip_tokenizer_init=True,
+        log_dir=str(tmp_path),
+    )
     server = ServerProcess(cfg, name="sglang")
     try:
         server.start()
-        out = httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-                         timeout=120)
+        out = httpx.post(
+            server.url + "/generate",
+            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+            timeout=120,
+        )
         assert out.status_code == 200 and len(out.json()["output_ids"]) == 2
     finally:
         server.stop()

@@ -21,19 +21,30 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterProcess, list[ServerProcess]]]:
+def cluster(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[RouterProcess, list[ServerProcess]]]:
     logs = tmp_path_factory.mktemp("router-logs")
     engines = [
         ServerProcess(
-            EngineServerConfig(model_path=str(tiny_model), backend="builtin", num_threads=1,
-                               log_dir=str(logs), startup_timeout_s=120),
+            EngineServerConfig(
+                model_path=str(tiny_model),
+                backend="builtin",
+                num_threads=1,
+                log_dir=str(logs),
+                startup_timeout_s=120,
+            ),
             name=f"router-engine{i}",
         )
         for i in range(2)
     ]
     router = RouterProcess(
-        RouterConfig(policy="round_robin", health_check_interval_secs=1, health_failure_threshold=1,
-                     log_dir=str(logs)),
+        RouterConfig(
+            policy="round_robin",
+            health_check_interval_secs=1,
+            health_failure_threshold=1,
+            log_dir=str(logs),
+        ),
     )
     try:
         for e in engines:  # start both, then wait: the two start-ups overlap
@@ -54,7 +65,9 @@ def _info(url: str) -> dict:
     return httpx.get(url + "/get_server_info", timeout=10).json()
 
 
-def test_router_spreads_requests_over_engines(cluster: tuple[RouterProcess, list[ServerProcess]]) -> None:
+def test_router_spreads_requests_over_engines(
+    cluster: tuple[RouterProcess, list[ServerProcess]],
+) -> None:
     router, engines = cluster
     assert sorted(w["url"] for w in router.workers()) == sorted(e.url for e in engines)
     before = [_info(e.url)["generated_tokens"] for e in engines]
@@ -62,14 +75,19 @@ def test_router_spreads_requests_over_engines(cluster: tuple[RouterProcess, list
     async def main() -> list:
         async with SGLangClient(router.url) as client:
             return await asyncio.gather(
-                *[client.generate([i + 3, 4], {"max_new_tokens": 6, **GREEDY}, rid=f"spread-{i}") for i in range(8)]
+                *[
+                    client.generate([i + 3, 4], {"max_new_tokens": 6, **GREEDY}, rid=f"spread-{i}")
+                    for i in range(8)
+                ]
             )
 
     outs = asyncio.run(main())
     assert sorted(o.rid for o in outs) == sorted(f"spread-{i}" for i in range(8))
     assert all(len(o.output_ids) == 6 and o.weight_version == "default" for o in outs)
     after = [_info(e.url)["generated_tokens"] for e in engines]
-    assert all(a > b for a, b in zip(after, before, strict=True)), "round_robin should use both engines"
+    assert all(a > b for a, b in zip(after, before, strict=True)), (
+        "round_robin should use both engines"
+    )
 
 
 def test_engine_killed_mid_batch_requests_finish_on_the_other(
@@ -83,7 +101,10 @@ def test_engine_killed_mid_batch_requests_finish_on_the_other(
     async def main() -> list:
         retry = RetryPolicy(max_retries=10, initial_backoff_s=0.2, max_backoff_s=1.0)
         async with SGLangClient(router.url, retry=retry) as client:
-            tasks = [asyncio.create_task(client.generate(p, params, rid=r)) for p, r in zip(prompts, rids, strict=True)]
+            tasks = [
+                asyncio.create_task(client.generate(p, params, rid=r))
+                for p, r in zip(prompts, rids, strict=True)
+            ]
             deadline = time.monotonic() + 20
             while _info(victim.url)["num_running_reqs"] == 0:  # the victim has work in flight
                 assert time.monotonic() < deadline, "the victim engine never received requests"
@@ -98,5 +119,7 @@ def test_engine_killed_mid_batch_requests_finish_on_the_other(
     assert all(o.finish_reason == {"type": "length", "length": 120} for o in outs)
     assert [o.prompt_tokens for o in outs] == [3] * 16
     with httpx.Client(base_url=survivor.url, timeout=60) as c:
-        expected = c.post("/generate", json={"input_ids": prompts, "sampling_params": params}).json()
+        expected = c.post(
+            "/generate", json={"input_ids": prompts, "sampling_params": params}
+        ).json()
     assert [o.output_ids for o in outs] == [e["output_ids"] for e in expected]
