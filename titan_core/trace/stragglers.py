@@ -101,10 +101,10 @@ def slow_ranks(
     comp = compute_outliers(results, peer_class)
     med_step = float(np.median([s.end - s.start for r in results for s in r.steps] or [0]))
     out = []
+    members = max(2.0, float(np.median([len(m) for m in parts.values()] or [2])))
     for r in results:
         lt, co = late.get(r.rank), comp.get(r.rank)
         n = lt["n"] if lt else 0
-        members = max(2, np.median([len(m) for m in parts.values()] or [2]))
         # arriving last more often than chance, with a visible delay
         late_flag = (
             lt is not None
