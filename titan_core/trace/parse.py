@@ -44,10 +44,10 @@ class _Args(msgspec.Struct, frozen=True):
     dtype: str | None = None
     pg_name: str | int | None = msgspec.field(default=None, name="Process Group Name")
     pg_desc: str | None = msgspec.field(default=None, name="Process Group Description")
-    pg_ranks: msgspec.Raw | None = msgspec.field(default=None, name="Process Group Ranks")
+    pg_ranks: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Process Group Ranks")
     seq: int | float | str | None = msgspec.field(default=None, name="Seq")
-    input_dims: msgspec.Raw | None = msgspec.field(default=None, name="Input Dims")
-    input_type: msgspec.Raw | None = msgspec.field(default=None, name="Input type")
+    input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
+    input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
 
 class _Event(msgspec.Struct, frozen=True):
@@ -207,7 +207,7 @@ def _rows_from_structs(
                 a.dtype,
                 None if a.pg_name is None else str(a.pg_name),
                 a.pg_desc,
-                None if a.pg_ranks is None else bytes(a.pg_ranks).decode(),
+                bytes(a.pg_ranks).decode() or None,
                 _int(a.seq, None),
             )
             for c, v in zip(comm_lists, vals, strict=True):
@@ -215,9 +215,9 @@ def _rows_from_structs(
         else:
             for c in comm_lists:
                 c.append(None)
-        if (cat in gpu_cats or is_cpu_comm(name)) and a.input_dims is not None:
+        if (cat in gpu_cats or is_cpu_comm(name)) and len(a.input_dims):
             dims_l.append(bytes(a.input_dims).decode())
-            type_l.append(None if a.input_type is None else bytes(a.input_type).decode())
+            type_l.append(bytes(a.input_type).decode() or None)
         else:
             dims_l.append(None)
             type_l.append(None)
@@ -229,8 +229,8 @@ def _rows_from_dicts(
 ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
     """Slow path for files whose field types the typed decoder rejects."""
 
-    def raw(v: Any) -> msgspec.Raw | None:
-        return None if v is None else msgspec.Raw(orjson.dumps(v))
+    def raw(v: Any) -> msgspec.Raw:
+        return msgspec.Raw() if v is None else msgspec.Raw(orjson.dumps(v))
 
     structs = []
     for e in events:
