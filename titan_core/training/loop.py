@@ -72,12 +72,18 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):  # noqa: AN
 
 
 def make_forward_step(device: torch.device):  # noqa: ANN201
-    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202
+    def forward_step(data_iterator, model, return_schedule_plan: bool = False):  # noqa: ANN001, ANN202
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
+        if return_schedule_plan:
+            # EP comm/compute overlap: megatron's combined-1F1B schedule runs the plan.
+            plan = model.build_schedule_plan(
+                tokens, position_ids, None, labels=labels, loss_mask=loss_mask
+            )
+            return plan, partial(loss_func, loss_mask)
         vp = getattr(model, "vp_stage", None)
         with torch.profiler.record_function(f"titan/microbatch/fwd/vs{vp or 0}"):
             output = model(tokens, position_ids, None, labels=labels)

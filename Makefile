@@ -1,0 +1,41 @@
+# Titan: `make demo` runs the main job on its embedded default, `make test` the test suite.
+# Both create ./.venv and install what they need first (quick when already installed).
+
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format system-deps clean
+
+$(BIN)/python:
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+# Debian packages Mooncake's TCP transport needs (skipped where apt is absent or not root).
+system-deps:
+	@if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  dpkg -s libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 >/dev/null; }; \
+	fi
+
+demo: $(STAMP)
+	$(BIN)/python -m titan_core.pretrain --config examples/pretrain_tiny.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format . && $(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,63 @@
+"""Each parallel layout reproduces the single-process losses (fp32, same weights, same data).
+
+All runs start from one seed checkpoint (``checkpoint.pretrained_checkpoint``), which
+dist_checkpointing reshards into every layout, so any difference is the layout's own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.core.pretrain_runner import FAST, TINY, TINY_MOE, losses, run_pretrain
+
+pytestmark = pytest.mark.slow
+STEPS = ["train.train_iters=3"]
+
+
+@pytest.fixture(scope="module")
+def dense_seed(tmp_path_factory) -> str:
+    d = tmp_path_factory.mktemp("dense_seed")
+    run_pretrain(TINY, [*FAST, "train.train_iters=2", f"run.dir={d}"])
+    return str(d / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def dense_reference(tmp_path_factory, dense_seed) -> list[float]:
+    d = tmp_path_factory.mktemp("dense_ref")
+    run_pretrain(
+        TINY, [*FAST, *STEPS, f"run.dir={d}", f"checkpoint.pretrained_checkpoint={dense_seed}"]
+    )
+    return losses(d)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.tensor_model_parallel_size=2"],
+        ["parallel.pipeline_model_parallel_size=2"],
+        ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"],
+    ],
+    ids=["tp2", "pp2-1f1b", "pp2-vpp2"],
+)
+def test_dense_layout_matches_single_process(tmp_path, dense_seed, dense_reference, layout):
+    run_pretrain(
+        TINY,
+        [*FAST, *STEPS, *layout, f"run.dir={tmp_path}", f"checkpoint.pretrained_checkpoint={dense_seed}"],
+        nproc=2,
+    )
+    got = losses(tmp_path)
+    assert len(got) == len(dense_reference) == 3
+    assert got == pytest.approx(dense_reference, rel=1e-4)
+    assert got[-1] < got[0], "the loss should fall over three steps"
+
+
+def test_moe_expert_parallel_matches_single_process(tmp_path_factory):
+    seed = tmp_path_factory.mktemp("moe_seed")
+    run_pretrain(TINY_MOE, [*FAST, "train.train_iters=2", f"run.dir={seed}"])
+    ref_dir, ep_dir = tmp_path_factory.mktemp("moe_ref"), tmp_path_factory.mktemp("moe_ep2")
+    common = [*FAST, *STEPS, f"checkpoint.pretrained_checkpoint={seed / 'checkpoints'}"]
+    run_pretrain(TINY_MOE, [*common, f"run.dir={ref_dir}"])
+    run_pretrain(
+        TINY_MOE, [*common, f"run.dir={ep_dir}", "parallel.expert_model_parallel_size=2"], nproc=2
+    )
+    assert losses(ep_dir) == pytest.approx(losses(ref_dir), rel=1e-4)
