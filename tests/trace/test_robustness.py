@@ -56,7 +56,7 @@ def test_single_rankless_file_is_rank_zero(traces: Path) -> None:
 def test_parse_cache_roundtrip(traces: Path, tmp_path: Path) -> None:
     src = traces / "nccl_parser_config"
     a, _ = load_ranks(src, workers=1, progress=False, cache_dir=tmp_path)
-    assert list(tmp_path.glob("*.parquet"))
+    assert list(tmp_path.glob("*.msgpack"))
     b, _ = load_ranks(src, workers=1, progress=False, cache_dir=tmp_path)
     assert a[0].kernel_time_us == b[0].kernel_time_us
     assert len(a[0].comm_ops) == len(b[0].comm_ops) == 21

@@ -1,12 +1,15 @@
 """Run the whole analysis over a folder of per-rank traces and build ``summary.json``.
 
-Files are parsed and reduced to a compact per-rank result in worker processes (all
-cores, or Ray tasks across nodes with ``use_ray``), so a rank's events never leave its
-worker; the cross-rank analyses then work on those small results.
+Files are parsed and reduced to a compact per-rank result right away, so a rank's events
+never outlive its file: in this process for small jobs (a worker process costs more to
+start than a few MB of trace take to parse), in worker processes on all cores for larger
+ones, or as Ray tasks across nodes with ``use_ray``. The cross-rank analyses then work on
+those small results.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -14,11 +17,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from titan_core.trace.breakdown import RankResult, analyze_rank
 from titan_core.trace.categories import TraceConfig, busbw_factor
 from titan_core.trace.critical_path import analyze_steps
+from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
 from titan_core.trace.parse import TraceError, find_trace_files, load_cached
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
@@ -33,6 +35,21 @@ def _work(path: str, cfg: TraceConfig, cache_dir: str | None) -> RankResult | tu
         return (path, str(exc))
     except Exception as exc:  # one bad file must not stop the others
         return (path, f"{type(exc).__name__}: {exc}")
+
+
+#: below this many compressed bytes per extra worker, parse in this process
+INLINE_BYTES_PER_WORKER = 8 << 20
+
+
+def _small(files: list[str], workers: int) -> bool:
+    """Whether the job is too small for worker processes to pay off (starting one and
+    importing the analyzer in it takes a few hundred ms, about what parsing 8 MB of
+    compressed trace takes)."""
+    size = 0
+    for f in files:
+        with contextlib.suppress(OSError):
+            size += os.path.getsize(f)
+    return size < INLINE_BYTES_PER_WORKER * min(workers, len(files))
 
 
 def load_ranks(
@@ -66,7 +83,7 @@ def load_ranks(
             raw.append(ray.get(ready[0]))
             if bar:
                 bar.update(1)
-    elif workers <= 1 or len(files) <= 1:
+    elif workers <= 1 or len(files) <= 1 or _small(files, workers):
         for f in files:
             raw.append(_work(f, cfg, cache))
             if bar:
@@ -142,9 +159,9 @@ def _comm_summary(results: list[RankResult]) -> list[dict[str, Any]]:
     for a in agg.values():
         bw, sizes = a.pop("busbw"), a.pop("sizes")
         a["algorithms"] = sorted(a["algorithms"])
-        a["median_msg_bytes"] = int(np.median(sizes)) if sizes else 0
-        a["median_busbw_GBps"] = round(float(np.median(bw)), 3) if bw else None
-        a["max_busbw_GBps"] = round(float(np.max(bw)), 3) if bw else None
+        a["median_msg_bytes"] = int(median(sizes)) if sizes else 0
+        a["median_busbw_GBps"] = round(median(bw), 3) if bw else None
+        a["max_busbw_GBps"] = round(float(max(bw)), 3) if bw else None
         out.append(a)
     out.sort(key=lambda a: -a["time_us"])
     return out

@@ -1,22 +1,22 @@
 """Per-rank analysis: steps, kernel breakdown, time breakdown per step, idle split.
 
-Runs in a worker process right after parsing, and returns a compact, picklable
-:class:`RankResult` so that the events of a rank never leave its worker.
+Runs right after parsing (in the same worker when there are several), and returns a
+compact, picklable :class:`RankResult` so that the events of a rank never leave it.
+Plain Python over the parsed columns: no numpy, no polars.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_left, bisect_right
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
-import polars as pl
 
 from titan_core.trace import intervals as iv
 from titan_core.trace.categories import KIND_CODE, KINDS, TraceConfig
 from titan_core.trace.comm import CommOp, extract_comm_ops
-from titan_core.trace.parse import RankTrace
+from titan_core.trace.parse import Events, RankTrace
 
 _STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 #: ``record_function`` ranges Titan emits per microbatch: titan/microbatch/fwd/mb3/vs0
@@ -52,88 +52,95 @@ class RankResult:
     top_kernels: list[dict[str, Any]]
     comm_ops: list[CommOp]
     #: merged compute-busy intervals (coarsened) for timelines: (starts, ends)
-    compute_coarse: tuple[np.ndarray, np.ndarray]
+    compute_coarse: tuple[list[int], list[int]]
     n_events: int
     warnings: list[str] = field(default_factory=list)
 
 
-def profiler_steps(ev: pl.DataFrame) -> list[tuple[int, int, int]]:
-    """(step number, start, end) of the ``ProfilerStep#N`` ranges, in time order."""
-    ps = ev.filter(pl.col("name").cast(pl.String).str.starts_with("ProfilerStep")).select(
-        "name", "ts", "end"
+@dataclass
+class GpuEvents:
+    """A rank's device events sorted by start (stable), with the host launch of each."""
+
+    ts: list[int]
+    end: list[int]
+    name: list[str]
+    kind: list[int]
+    info: list[tuple | None]
+    #: start and thread of the host event that launched it (same correlation), or None
+    launch_ts: list[int | None]
+    launch_tid: list[str | None]
+
+    def __len__(self) -> int:
+        return len(self.ts)
+
+
+def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
+    first: dict[int, tuple[int, str]] = {}
+    for c, t, tid in zip(ev.launch_corr, ev.launch_ts, ev.launch_tid, strict=True):
+        cur = first.get(c)
+        if cur is None:
+            first[c] = (t, tid)
+        elif t < cur[0]:
+            first[c] = (t, cur[1])  # earliest start, thread of the first in file order
+    kind_of: dict[str, int] = {}
+    for n in set(ev.dev_name):
+        kind_of[n] = KIND_CODE[cfg.kernel_kind(n)]
+    order = sorted(range(len(ev.dev_ts)), key=ev.dev_ts.__getitem__)
+    dts, dend, dname, dinfo, dcorr = ev.dev_ts, ev.dev_end, ev.dev_name, ev.dev_info, ev.dev_corr
+    launches = [first.get(dcorr[i]) for i in order]
+    names = [dname[i] for i in order]
+    return GpuEvents(
+        ts=[dts[i] for i in order],
+        end=[dend[i] for i in order],
+        name=names,
+        kind=[kind_of[n] for n in names],
+        info=[dinfo[i] for i in order],
+        launch_ts=[None if x is None else x[0] for x in launches],
+        launch_tid=[None if x is None else x[1] for x in launches],
     )
+
+
+def profiler_steps(ev: Events) -> list[tuple[int, int, int]]:
+    """(step number, start, end) of the ``ProfilerStep#N`` ranges, in time order."""
     out = []
-    for name, ts, end in ps.iter_rows():
-        m = _STEP_RE.match(name)
-        if m:
-            out.append((int(m.group(1)), ts, end))
+    for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
+        if name.startswith("ProfilerStep"):
+            m = _STEP_RE.match(name)
+            if m:
+                out.append((int(m.group(1)), ts, end))
+    for name, ts, end in zip(ev.dev_name, ev.dev_ts, ev.dev_end, strict=True):
+        if name.startswith("ProfilerStep"):
+            m = _STEP_RE.match(name)
+            if m:
+                out.append((int(m.group(1)), ts, end))
     out.sort(key=lambda r: r[1])
     return out
-
-
-def _kinds(names: pl.Series, cfg: TraceConfig) -> pl.Series:
-    if names.len() == 0:
-        return pl.Series("kind", [], dtype=pl.Int8)
-    uniq = names.unique()
-    mapping = {n: KIND_CODE[cfg.kernel_kind(n)] for n in uniq.cast(pl.String).to_list()}
-    return names.cast(pl.String).replace_strict(mapping, return_dtype=pl.Int8)
 
 
 def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
     """Everything the cross-rank analyses need from one rank."""
     ev = rt.events
     steps = profiler_steps(ev)
-    gpu = ev.filter(pl.col("cat").cast(pl.String).is_in(cfg.gpu_event_cats))
-    gpu = gpu.with_columns(kind=_kinds(gpu["name"], cfg))
-    # the host event that launched each device event (same correlation id)
-    launch = (
-        ev.filter(
-            (pl.col("corr") >= 0)
-            & (pl.col("stream") < 0)
-            & ~pl.col("cat").cast(pl.String).is_in(cfg.gpu_event_cats)
-        )
-        .group_by("corr")
-        .agg(launch_ts=pl.col("ts").min(), launch_tid=pl.col("tid").first())
-    )
-    gpu = gpu.join(launch, on="corr", how="left").sort("ts")
+    gpu = gpu_events(ev, cfg)
 
     kernel_time, kernel_counts = _kernel_time(gpu, steps)
-    compute_stream = "gpu" if gpu.height else "cpu"
-
-    top = (
-        gpu.group_by("name", "kind")
-        .agg(
-            count=pl.len(),
-            sum_us=(pl.col("end") - pl.col("ts")).sum(),
-            max_us=(pl.col("end") - pl.col("ts")).max(),
-            min_us=(pl.col("end") - pl.col("ts")).min(),
-        )
-        .sort("sum_us", descending=True)
-        .head(cfg.top_kernels)
-    )
-    kind_names = {v: k for k, v in KIND_CODE.items()}
-    top_kernels = [
-        {
-            "name": r["name"],
-            "kind": kind_names[r["kind"]],
-            "count": r["count"],
-            "sum_us": r["sum_us"],
-            "max_us": r["max_us"],
-            "min_us": r["min_us"],
-        }
-        for r in top.with_columns(pl.col("name").cast(pl.String)).iter_rows(named=True)
-    ]
+    compute_stream = "gpu" if len(gpu) else "cpu"
+    top_kernels = _top_kernels(gpu, cfg.top_kernels)
 
     comm_ops = extract_comm_ops(ev, gpu, cfg)
     if compute_stream == "gpu":
         sets, launch_of = _gpu_sets(gpu)
     else:
-        sets, launch_of = _cpu_sets(rt, cfg, comm_ops, steps), None
+        sets, launch_of = _cpu_sets(ev, cfg, comm_ops, steps), None
     mbs = _microbatches(ev, gpu)
     step_stats = _step_stats(steps, gpu, sets, launch_of, cfg, mbs)
     _assign_steps(comm_ops, step_stats)
     comp = sets[0]
-    coarse = iv.merge(comp[0], comp[1] + 20) if len(comp[0]) else comp  # close <20us gaps
+    if len(comp[0]):  # close <20us gaps
+        coarse = iv.merge(comp[0], [e + 20 for e in comp[1]])
+        coarse = (coarse[0], [max(s, e - 20) for s, e in zip(*coarse, strict=True)])
+    else:
+        coarse = comp
     return RankResult(
         rank=rank,
         path=rt.path,
@@ -144,122 +151,176 @@ def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
         steps=step_stats,
         top_kernels=top_kernels,
         comm_ops=comm_ops,
-        compute_coarse=(coarse[0], np.maximum(coarse[0], coarse[1] - 20)),
-        n_events=ev.height + rt.cpu_ops.height,
+        compute_coarse=coarse,
+        n_events=ev.n_events,
         warnings=list(rt.warnings),
     )
 
 
-def _kernel_time(gpu: pl.DataFrame, steps: list[tuple[int, int, int]]) -> tuple[dict, dict]:
+_KIND_NAMES = {v: k for k, v in KIND_CODE.items()}
+
+
+def _top_kernels(gpu: GpuEvents, n: int) -> list[dict[str, Any]]:
+    agg: dict[tuple[str, int], list[int]] = {}
+    for name, kind, ts, end in zip(gpu.name, gpu.kind, gpu.ts, gpu.end, strict=True):
+        d = end - ts
+        a = agg.get((name, kind))
+        if a is None:
+            agg[(name, kind)] = [1, d, d, d]
+        else:
+            a[0] += 1
+            a[1] += d
+            if d > a[2]:
+                a[2] = d
+            if d < a[3]:
+                a[3] = d
+    top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:n]
+    return [
+        {
+            "name": name,
+            "kind": _KIND_NAMES[kind],
+            "count": a[0],
+            "sum_us": a[1],
+            "max_us": a[2],
+            "min_us": a[3],
+        }
+        for (name, kind), a in top
+    ]
+
+
+def _kernel_time(gpu: GpuEvents, steps: list[tuple[int, int, int]]) -> tuple[dict, dict]:
     """Union of kernel intervals per category over the profiled steps.
 
     As HTA counts it: with two or more profiler steps, only device events launched before
     the last step starts (the last step is usually cut short) by a host event; otherwise all.
     """
-    sel = gpu
+    idx = range(len(gpu))
     if len(steps) >= 2:
         last_start = max(s[1] for s in steps)
-        sel = gpu.filter(pl.col("launch_ts").is_not_null() & (pl.col("launch_ts") < last_start))
+        lts = gpu.launch_ts
+        idx = [i for i in idx if lts[i] is not None and lts[i] < last_start]  # type: ignore[operator]
+    by_kind: dict[int, tuple[list[int], list[int]]] = {KIND_CODE[k]: ([], []) for k in KINDS}
+    ts, end, kind = gpu.ts, gpu.end, gpu.kind
+    for i in idx:
+        b = by_kind.get(kind[i])
+        if b is not None:
+            b[0].append(ts[i])
+            b[1].append(end[i])
     out, counts = {}, {}
-    for kind in KINDS:
-        k = sel.filter(pl.col("kind") == KIND_CODE[kind])
-        out[kind] = iv.total(iv.merge(k["ts"].to_numpy(), k["end"].to_numpy()))
-        counts[kind] = k.height
+    for k in KINDS:
+        s, e = by_kind[KIND_CODE[k]]
+        out[k] = iv.total(iv.merge(s, e))
+        counts[k] = len(s)
     return out, counts
 
 
-def _gpu_sets(gpu: pl.DataFrame) -> tuple[list[iv.Intervals], Any]:
-    sets = []
-    for kind in KINDS:
-        k = gpu.filter(pl.col("kind") == KIND_CODE[kind])
-        sets.append(iv.merge(k["ts"].to_numpy(), k["end"].to_numpy()))
-    ts = gpu["ts"].to_numpy()
-    launch = gpu["launch_ts"].fill_null(-1).to_numpy()
-    return sets, (ts, launch)
+def _gpu_sets(gpu: GpuEvents) -> tuple[list[iv.Intervals], Any]:
+    by_kind: dict[int, tuple[list[int], list[int]]] = {KIND_CODE[k]: ([], []) for k in KINDS}
+    for t, e, k in zip(gpu.ts, gpu.end, gpu.kind, strict=True):
+        b = by_kind.get(k)
+        if b is not None:
+            b[0].append(t)
+            b[1].append(e)
+    sets = [iv.merge(*by_kind[KIND_CODE[k]]) for k in KINDS]
+    launch = [-1 if x is None else x for x in gpu.launch_ts]
+    return sets, (gpu.ts, launch)
 
 
 def _cpu_sets(
-    rt: RankTrace, cfg: TraceConfig, comm_ops: list[CommOp], steps: list[tuple[int, int, int]]
+    ev: Events, cfg: TraceConfig, comm_ops: list[CommOp], steps: list[tuple[int, int, int]]
 ) -> list[iv.Intervals]:
     """Compute stream of a CPU-only trace: Titan's microbatch ranges when present, else
     the CPU ops of the main thread (the one running the profiler steps), minus comm."""
-    ev = rt.events
-    comm = iv.merge(
-        np.array([o.ts for o in comm_ops], dtype=np.int64),
-        np.array([o.end for o in comm_ops], dtype=np.int64),
-    )
-    mb = ev.filter(pl.col("name").cast(pl.String).str.contains(MICROBATCH_RE.pattern))
-    if mb.height:
-        raw = iv.merge(mb["ts"].to_numpy(), mb["end"].to_numpy())
+    comm = iv.merge([o.ts for o in comm_ops], [o.end for o in comm_ops])
+    mb_s, mb_e = [], []
+    for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
+        if MICROBATCH_RE.search(name):
+            mb_s.append(ts)
+            mb_e.append(end)
+    if mb_s:
+        raw = iv.merge(mb_s, mb_e)
     else:
-        ops = rt.cpu_ops
         main = None
-        st = ev.filter(pl.col("name").cast(pl.String).str.starts_with("ProfilerStep"))
-        if st.height:
-            main = st["tid"].cast(pl.String).mode().to_list()[0]
-        elif ops.height:
-            main = (
-                ops.group_by(pl.col("tid").cast(pl.String))
-                .agg(t=(pl.col("end") - pl.col("ts")).sum())
-                .sort("t", descending=True)["tid"][0]
-            )
-        ops = ops.filter(pl.col("tid").cast(pl.String) == main) if main is not None else ops
-        raw = iv.merge(ops["ts"].to_numpy(), ops["end"].to_numpy())
+        st = [
+            t
+            for n, t in zip(ev.host_name, ev.host_tid, strict=True)
+            if n.startswith("ProfilerStep")
+        ]
+        if st:
+            main = Counter(st).most_common(1)[0][0]
+        elif len(ev.ops_ts):
+            busy: dict[str, int] = {}
+            for t, s, e in zip(ev.ops_tid, ev.ops_ts, ev.ops_end, strict=True):
+                busy[t] = busy.get(t, 0) + (e - s)
+            main = max(busy, key=busy.__getitem__)
+        if main is not None:
+            sel = [i for i, t in enumerate(ev.ops_tid) if t == main]
+            raw = iv.merge([ev.ops_ts[i] for i in sel], [ev.ops_end[i] for i in sel])
+        else:
+            raw = iv.merge(ev.ops_ts, ev.ops_end)
     compute = iv.subtract(raw, comm)
-    empty = (np.empty(0, np.int64), np.empty(0, np.int64))
-    return [compute, comm, empty]
+    return [compute, comm, ([], [])]
 
 
-def _microbatches(ev: pl.DataFrame, gpu: pl.DataFrame) -> list[tuple[str, int, int, int, int]]:
+def _microbatches(ev: Events, gpu: GpuEvents) -> list[tuple[str, int, int, int, int]]:
     """(phase, microbatch, virtual stage, start, end) of Titan's microbatch ranges; on GPU
     traces mapped to the span of the kernels they launched."""
-    mb = ev.filter(
-        pl.col("name").cast(pl.String).str.contains(MICROBATCH_RE.pattern)
-        & (pl.col("cat").cast(pl.String) != "gpu_user_annotation")
-    ).sort("ts")
+    mb = []
+    for name, cat, ts, end in zip(ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, strict=True):
+        if cat != "gpu_user_annotation":
+            m = MICROBATCH_RE.match(name)
+            if m:
+                mb.append((ts, m, end))
+    if not mb:
+        return []
+    mb.sort(key=lambda x: x[0])
+    lt = sorted((x, i) for i, x in enumerate(gpu.launch_ts) if x is not None)
+    lts = [x for x, _ in lt]
     out = []
-    lt = gpu.filter(pl.col("launch_ts").is_not_null()).sort("launch_ts") if gpu.height else None
-    for name, ts, end in mb.select(pl.col("name").cast(pl.String), "ts", "end").iter_rows():
-        m = MICROBATCH_RE.match(name)
-        assert m is not None
+    for ts, m, end in mb:
         s, e = ts, end
-        if lt is not None and lt.height:
-            lts = lt["launch_ts"].to_numpy()
-            i0, i1 = np.searchsorted(lts, ts), np.searchsorted(lts, end)
+        if lts:
+            i0, i1 = bisect_left(lts, ts), bisect_left(lts, end)
             if i1 > i0:
-                s = int(lt["ts"][i0:i1].min())
-                e = int(lt["end"][i0:i1].max())
+                sel = [i for _, i in lt[i0:i1]]
+                s = min(gpu.ts[i] for i in sel)
+                e = max(gpu.end[i] for i in sel)
         out.append((m.group(1), int(m.group(2)), int(m.group(3) or 0), s, e))
     return out
 
 
-def _step_windows(
-    steps: list[tuple[int, int, int]], gpu: pl.DataFrame
-) -> list[tuple[int, int, int]]:
+def _step_windows(steps: list[tuple[int, int, int]], gpu: GpuEvents) -> list[tuple[int, int, int]]:
     """Step windows on the compute stream's clock. On GPU: from the first device event
     launched in the step to the first one of the next step (the last: to its last end)."""
-    if not gpu.height or not steps:
+    if not len(gpu) or not steps:
         return steps
-    lts = gpu["launch_ts"].fill_null(gpu["ts"]).to_numpy()
-    ts = gpu["ts"].to_numpy()
-    end = gpu["end"].to_numpy()
-    firsts = []
+    by_launch = sorted(
+        (t if lt is None else lt, t, e)
+        for lt, t, e in zip(gpu.launch_ts, gpu.ts, gpu.end, strict=True)
+    )
+    lts = [x[0] for x in by_launch]
+    firsts: list[tuple[int, int] | None] = []
     for _, s, e in steps:
-        m = (lts >= s) & (lts < e)
-        firsts.append((int(ts[m].min()), int(end[m].max())) if m.any() else None)
+        i0, i1 = bisect_left(lts, s), bisect_left(lts, e)
+        if i1 > i0:
+            sel = by_launch[i0:i1]
+            firsts.append((min(x[1] for x in sel), max(x[2] for x in sel)))
+        else:
+            firsts.append(None)
     out = []
     for i, (n, _, _) in enumerate(steps):
-        if firsts[i] is None:
+        f = firsts[i]
+        if f is None:
             continue
-        nxt = next((f for f in firsts[i + 1 :] if f is not None), None)
-        hi = nxt[0] if nxt is not None else firsts[i][1]
-        out.append((n, firsts[i][0], max(hi, firsts[i][0] + 1)))
+        nxt = next((x for x in firsts[i + 1 :] if x is not None), None)
+        hi = nxt[0] if nxt is not None else f[1]
+        out.append((n, f[0], max(hi, f[0] + 1)))
     return out
 
 
 def _step_stats(
     steps: list[tuple[int, int, int]],
-    gpu: pl.DataFrame,
+    gpu: GpuEvents,
     sets: list[iv.Intervals],
     launch_of: Any,
     cfg: TraceConfig,
@@ -272,17 +333,16 @@ def _step_stats(
         if not los:
             return []
         windows = [(0, int(min(x[0] for x in los)), int(max(his)))]
-    union_all = iv.merge(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
+    union_all = iv.merge([t for s in sets for t in s[0]], [t for s in sets for t in s[1]])
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:
         clipped = [iv.clip(s, lo, hi) for s in sets]
         cov = iv.coverage(clipped)
-        idx = np.arange(len(cov))
-        comp = int(cov[(idx & 1) > 0].sum())
-        comm_exposed = int(cov[((idx & 2) > 0) & ((idx & 1) == 0)].sum())
-        mem_exposed = int(cov[idx == 4].sum())
-        busy = int(cov.sum())
+        comp = sum(cov[i] for i in range(len(cov)) if i & 1)
+        comm_exposed = sum(cov[i] for i in range(len(cov)) if i & 2 and not i & 1)
+        mem_exposed = cov[4] if len(cov) > 4 else 0
+        busy = sum(cov)
         st = StepStats(
             step=n,
             start=lo,
@@ -291,22 +351,27 @@ def _step_stats(
             communication=comm_exposed,
             memory=mem_exposed,
             idle=(hi - lo) - busy,
-            overlap=int(cov[(idx & 3) == 3].sum()),
+            overlap=sum(cov[i] for i in range(len(cov)) if i & 3 == 3),
             comm_total=iv.total(clipped[1]),
             microbatches=[m for m in mbs if lo <= m[3] < hi],
         )
         gs, ge = iv.gaps(iv.clip(union_all, lo, hi), lo, hi)
         if launch_of is not None and len(gs):
             kts, klaunch = launch_of
-            j = np.searchsorted(kts, ge, side="left")
-            has_next = j < len(kts)
-            nxt_launch = np.where(has_next, klaunch[np.minimum(j, len(kts) - 1)], -1)
-            length = ge - gs
-            host = has_next & (nxt_launch > gs)
-            kern = ~host & has_next & (length <= thr)
-            st.host_wait = int(length[host].sum())
-            st.kernel_wait = int(length[kern].sum())
-            st.other_wait = int(length.sum()) - st.host_wait - st.kernel_wait
+            nk = len(kts)
+            host_w = kern_w = tot = 0
+            for a, b in zip(gs, ge, strict=True):
+                length = b - a
+                tot += length
+                j = bisect_left(kts, b)
+                if j < nk:
+                    if klaunch[j] > a:
+                        host_w += length
+                    elif length <= thr:
+                        kern_w += length
+            st.host_wait = host_w
+            st.kernel_wait = kern_w
+            st.other_wait = tot - host_w - kern_w
         else:
             st.other_wait = st.idle
         out.append(st)
@@ -316,8 +381,8 @@ def _step_stats(
 def _assign_steps(ops: list[CommOp], steps: list[StepStats]) -> None:
     if not steps:
         return
-    starts = np.array([s.start for s in steps])
+    starts = [s.start for s in steps]
     for op in ops:
-        i = int(np.searchsorted(starts, op.ts, side="right")) - 1
+        i = bisect_right(starts, op.ts) - 1
         if i >= 0 and op.ts < steps[i].end:
             op.step = steps[i].step

@@ -10,12 +10,12 @@ Titan's ``titan/p2p/{send|recv}/peer{R}`` ranges.
 from __future__ import annotations
 
 import json
+import math
 import re
+from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
-import polars as pl
+from operator import itemgetter
+from typing import TYPE_CHECKING, Any
 
 from titan_core.trace.categories import (
     KIND_CODE,
@@ -24,6 +24,10 @@ from titan_core.trace.categories import (
     dtype_bytes,
     normalize_collective,
 )
+from titan_core.trace.parse import COMM_FIELDS, Events
+
+if TYPE_CHECKING:
+    from titan_core.trace.breakdown import GpuEvents
 
 P2P = {"send", "recv", "sendrecv"}
 _PEER_RE = re.compile(r"(send|recv)\D*?(\d+)\s*(->|<-)\s*(\d+)", re.I)
@@ -77,7 +81,7 @@ def _nbytes(row: dict[str, Any], coll: str) -> int:
             dims = json.loads(row["in_dims"])
             types = json.loads(row["in_type"]) if row.get("in_type") else []
             first = dims[0] if dims else []
-            n = int(np.prod(first)) if first else 0
+            n = int(math.prod(first if isinstance(first, list) else [first])) if first else 0
             dtype = types[0] if types else dtype
         except (ValueError, TypeError, IndexError):
             n = 0
@@ -101,70 +105,92 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
     return None
 
 
-def extract_comm_ops(ev: pl.DataFrame, gpu: pl.DataFrame, cfg: TraceConfig) -> list[CommOp]:
+def _row(name: str, ts: int, end: int, tid: str | None, info: tuple | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": name, "ts": ts, "end": end, "tid": tid}
+    if info is None:
+        row.update(_NO_INFO)
+    else:
+        row.update(zip(COMM_FIELDS, info, strict=True))
+    return row
+
+
+_NO_INFO = dict.fromkeys(COMM_FIELDS)
+
+
+def extract_comm_ops(ev: Events, gpu: GpuEvents, cfg: TraceConfig) -> list[CommOp]:
     """All comm ops of a rank in time order (device kernels, or host ranges if none)."""
-    host = ev.filter(
-        pl.col("name").cast(pl.String).str.contains("|".join(cfg.cpu_comm_patterns))
-        & ~pl.col("cat").cast(pl.String).is_in(cfg.gpu_event_cats + ["gpu_user_annotation"])
-    ).with_columns(pl.col("name").cast(pl.String), pl.col("tid").cast(pl.String))
-    host = host.sort("ts")
-    titan = ev.filter(pl.col("name").cast(pl.String).str.starts_with("titan/")).with_columns(
-        pl.col("name").cast(pl.String), pl.col("tid").cast(pl.String)
-    )
-    kernels = gpu.filter(pl.col("kind") == KIND_CODE["communication"]) if gpu.height else gpu
-    if kernels.height:
-        return _from_kernels(kernels, host, titan)
+    skip = set(cfg.gpu_event_cats) | {"gpu_user_annotation"}
+    comm_re = re.compile("|".join(cfg.cpu_comm_patterns))
+    host: list[dict[str, Any]] = []
+    titan: list[dict[str, Any]] = []
+    for name, cat, ts, end, tid, info in zip(
+        ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, ev.host_tid, ev.host_info, strict=True
+    ):
+        if cat not in skip and comm_re.search(name):
+            host.append(_row(name, ts, end, tid, info))
+        if name.startswith("titan/"):
+            titan.append(_row(name, ts, end, tid, info))
+    host.sort(key=_TS)
+    comm_code = KIND_CODE["communication"]
+    kernels = [i for i, k in enumerate(gpu.kind) if k == comm_code]
+    if kernels:
+        return _from_kernels(gpu, kernels, host, titan)
     return _from_host(host, titan)
 
 
-def _from_kernels(kernels: pl.DataFrame, host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
+_TS = itemgetter("ts")
+
+_FILL_KEYS = (
+    "coll",
+    "in_n",
+    "out_n",
+    "gsize",
+    "dtype",
+    "pg_name",
+    "pg_ranks",
+    "seq",
+    "in_dims",
+    "in_type",
+)
+
+
+def _from_kernels(
+    gpu: GpuEvents, kernels: list[int], host: list[dict[str, Any]], titan: list[dict[str, Any]]
+) -> list[CommOp]:
     by_tid: dict[str, list[dict[str, Any]]] = {}
-    for row in pl.concat([host, titan], how="vertical_relaxed").sort("ts").iter_rows(named=True):
+    for row in sorted(host + titan, key=_TS):
         by_tid.setdefault(row["tid"], []).append(row)
-    starts = {t: np.array([r["ts"] for r in rows]) for t, rows in by_tid.items()}
+    starts = {t: [r["ts"] for r in rows] for t, rows in by_tid.items()}
     last_launch: dict[str, int] = {}
     ops = []
-    rows = kernels.with_columns(
-        pl.col("name").cast(pl.String), pl.col("launch_tid").cast(pl.String)
-    )
-    for k in rows.sort("ts").iter_rows(named=True):
-        coll_k, algo = collective_from_kernel(k["name"])
-        info: dict[str, Any] = dict(k)
+    for i in kernels:
+        name = gpu.name[i]
+        coll_k, algo = collective_from_kernel(name)
+        info = _row(name, gpu.ts[i], gpu.end[i], None, gpu.info[i])
         p2p: list[tuple[str, int | None]] = []
-        tid, lts = k.get("launch_tid"), k.get("launch_ts")
+        tid, lts = gpu.launch_tid[i], gpu.launch_ts[i]
         if tid in by_tid and lts is not None:
             hrows, hs = by_tid[tid], starts[tid]
             lo = last_launch.get(tid, -1)
-            i1 = int(np.searchsorted(hs, lts, side="right"))
+            i1 = bisect_right(hs, lts)
             # host ranges that enclose the launch give the op's args and name
             for r in reversed(hrows[max(0, i1 - 8) : i1]):
                 if r["end"] >= lts:
-                    for key in (
-                        "coll",
-                        "in_n",
-                        "out_n",
-                        "gsize",
-                        "dtype",
-                        "pg_name",
-                        "pg_ranks",
-                        "seq",
-                        "in_dims",
-                        "in_type",
-                    ):
+                    for key in _FILL_KEYS:
                         if info.get(key) is None and r.get(key) is not None:
                             info[key] = r[key]
                     if info.get("coll") is None and ":" in r["name"]:
                         info["coll"] = r["name"]
             # P2P: the send/recv ranges issued since the previous comm launch (coalesced too)
             if coll_k in P2P or coll_k == "unknown":
-                i0 = int(np.searchsorted(hs, lo, side="right"))
+                i0 = bisect_right(hs, lo)
                 for r in hrows[i0:i1]:
                     p = _peer(r["name"], None)
                     if p is not None and not (p[1] is None and any(q[1] is not None for q in p2p)):
                         p2p.append(p)
                 p2p = _dedupe(p2p)
             last_launch[tid] = lts
-        ops.append(_make_op(k["ts"], k["end"], info, coll_k, algo, p2p))
+        ops.append(_make_op(gpu.ts[i], gpu.end[i], info, coll_k, algo, p2p))
     return ops
 
 
@@ -203,15 +229,14 @@ def _make_op(ts: int, end: int, info: dict[str, Any], coll_k: str, algo: str, p2
     )
 
 
-def _from_host(host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
+def _from_host(host: list[dict[str, Any]], titan: list[dict[str, Any]]) -> list[CommOp]:
     """CPU-only traces: the outermost host comm range of each nest is one op."""
-    mbs = titan.filter(pl.col("name").str.contains(_MB_RE.pattern)).sort("ts")
-    mb_ts, mb_end = mbs["ts"].to_numpy(), mbs["end"].to_numpy()
-    mb_names = mbs["name"].to_list()
-    p2p_ranges = titan.filter(pl.col("name").str.contains(_TITAN_P2P_RE.pattern))
-    rows = list(
-        pl.concat([host, p2p_ranges], how="vertical_relaxed").sort("ts").iter_rows(named=True)
-    )
+    mbs = sorted((r for r in titan if _MB_RE.search(r["name"])), key=_TS)
+    mb_ts = [r["ts"] for r in mbs]
+    mb_end = [r["end"] for r in mbs]
+    mb_names = [r["name"] for r in mbs]
+    p2p_ranges = [r for r in titan if _TITAN_P2P_RE.search(r["name"])]
+    rows = sorted(host + p2p_ranges, key=_TS)
     ops: list[CommOp] = []
     i = 0
     while i < len(rows):
@@ -221,18 +246,7 @@ def _from_host(host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
         j = i + 1
         while j < len(rows) and rows[j]["ts"] <= top["end"] and rows[j]["tid"] == top["tid"]:
             names.append(rows[j]["name"])
-            for key in (
-                "coll",
-                "in_n",
-                "out_n",
-                "gsize",
-                "dtype",
-                "pg_name",
-                "pg_ranks",
-                "seq",
-                "in_dims",
-                "in_type",
-            ):
+            for key in _FILL_KEYS:
                 if info.get(key) is None and rows[j].get(key) is not None:
                     info[key] = rows[j][key]
             j += 1
@@ -245,7 +259,7 @@ def _from_host(host: pl.DataFrame, titan: pl.DataFrame) -> list[CommOp]:
         if p2p and coll not in P2P:
             coll = p2p[0][0] if len(p2p) == 1 else "sendrecv"
         op = _make_op(top["ts"], top["end"], info, coll, "", p2p)
-        k = int(np.searchsorted(mb_ts, top["ts"], side="right")) - 1
+        k = bisect_right(mb_ts, top["ts"]) - 1
         if k >= 0 and top["ts"] < mb_end[k]:
             m = _MB_RE.search(mb_names[k])
             op.phase = m.group(1) if m else ""

@@ -16,9 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from titan_core.trace.breakdown import RankResult
+from titan_core.trace.intervals import median
 from titan_core.trace.matching import Key
 
 
@@ -233,7 +232,7 @@ def analyze_steps(
             own = next((v for r, v in vals if r == cand), None)
             if not own or len(vals) < 2:
                 continue
-            med = float(np.median([v for _, v in vals]))
+            med = median([v for _, v in vals])
             if med >= own:
                 continue
             rep2 = replay(seqs, bounds, {cand: med / own})

@@ -1,78 +1,87 @@
-"""Interval arithmetic on numpy arrays: unions and per-combination coverage.
+"""Interval arithmetic on plain lists: unions and per-combination coverage.
 
 All analyses reduce to "how long was at least one event of set A running, and did it
 overlap set B". Events are half-open [start, end) intervals in integer microseconds.
+Pure Python (sorts and one sweep each): fast enough for a rank's events, and it keeps
+numpy off the analyzer's path.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
+from operator import itemgetter
 
-Intervals = tuple[np.ndarray, np.ndarray]
+Intervals = tuple[list[int], list[int]]
+
+_FIRST = itemgetter(0)
 
 
-def merge(starts: np.ndarray, ends: np.ndarray) -> Intervals:
-    """Union of intervals as sorted, disjoint (start, end) arrays."""
+def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
+    """Union of intervals as sorted, disjoint (start, end) lists."""
+    out_s: list[int] = []
+    out_e: list[int] = []
     if len(starts) == 0:
-        e = np.empty(0, dtype=np.int64)
-        return e, e.copy()
-    order = np.argsort(starts, kind="stable")
-    s = np.asarray(starts, dtype=np.int64)[order]
-    e = np.asarray(ends, dtype=np.int64)[order]
-    run_end = np.maximum.accumulate(e)
-    # a new group starts where an interval begins after everything before it has ended
-    new = np.empty(len(s), dtype=bool)
-    new[0] = True
-    new[1:] = s[1:] > run_end[:-1]
-    idx = np.flatnonzero(new)
-    out_s = s[idx]
-    last = np.append(idx[1:], len(s)) - 1
-    out_e = run_end[last]
-    keep = out_e > out_s
-    return out_s[keep], out_e[keep]
+        return out_s, out_e
+    pairs = sorted(zip(starts, ends, strict=True), key=_FIRST)
+    cur_s, cur_e = pairs[0]
+    for s, e in pairs:
+        if s > cur_e:
+            if cur_e > cur_s:
+                out_s.append(cur_s)
+                out_e.append(cur_e)
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e > cur_s:
+        out_s.append(cur_s)
+        out_e.append(cur_e)
+    return out_s, out_e
 
 
 def total(iv: Intervals) -> int:
-    return int((iv[1] - iv[0]).sum())
+    return sum(iv[1]) - sum(iv[0])
 
 
 def clip(iv: Intervals, lo: int, hi: int) -> Intervals:
     """Restrict merged intervals to [lo, hi)."""
     s, e = iv
-    i0 = np.searchsorted(e, lo, side="right")
-    i1 = np.searchsorted(s, hi, side="left")
-    s = np.maximum(s[i0:i1], lo)
-    e = np.minimum(e[i0:i1], hi)
-    keep = e > s
-    return s[keep], e[keep]
+    i0 = bisect_right(e, lo)
+    i1 = bisect_left(s, hi)
+    out_s: list[int] = []
+    out_e: list[int] = []
+    for a, b in zip(s[i0:i1], e[i0:i1], strict=True):
+        a = max(a, lo)
+        b = min(b, hi)
+        if b > a:
+            out_s.append(a)
+            out_e.append(b)
+    return out_s, out_e
 
 
-def coverage(sets: list[Intervals]) -> np.ndarray:
+def coverage(sets: list[Intervals]) -> list[int]:
     """Time spent in each combination of the given merged interval sets.
 
-    Returns an array of length 2**len(sets); entry ``m`` is the time during which exactly
+    Returns a list of length 2**len(sets); entry ``m`` is the time during which exactly
     the sets whose bits are set in ``m`` are active (entry 0, the time covered by none, is
     left at 0 since it has no bounded extent).
     """
-    k = len(sets)
-    times = []
-    deltas = []
+    out = [0] * (1 << len(sets))
+    pts: list[tuple[int, int]] = []
     for i, (s, e) in enumerate(sets):
-        times += [s, e]
         bit = 1 << i
-        deltas += [np.full(len(s), bit, dtype=np.int64), np.full(len(e), -bit, dtype=np.int64)]
-    out = np.zeros(1 << k, dtype=np.int64)
-    if not times:
+        pts += [(t, bit) for t in s]
+        pts += [(t, -bit) for t in e]
+    if not pts:
         return out
-    t = np.concatenate(times)
-    d = np.concatenate(deltas)
-    if len(t) == 0:
-        return out
-    order = np.argsort(t, kind="stable")
-    t = t[order]
-    state = np.cumsum(d[order])
-    span = np.diff(t)
-    np.add.at(out, state[:-1], span)
+    pts.sort(key=_FIRST)
+    state = 0
+    prev = pts[0][0]
+    for t, d in pts:
+        if t != prev:
+            out[state] += t - prev
+            prev = t
+        state += d
     out[0] = 0
     return out
 
@@ -81,29 +90,48 @@ def subtract(a: Intervals, b: Intervals) -> Intervals:
     """Merged intervals of ``a`` minus ``b`` (both merged)."""
     if len(b[0]) == 0 or len(a[0]) == 0:
         return a
-    t = np.concatenate([a[0], a[1], b[0], b[1]])
-    d = np.concatenate(
-        [
-            np.full(len(a[0]), 1),
-            np.full(len(a[1]), -1),
-            np.full(len(b[0]), 2),
-            np.full(len(b[1]), -2),
-        ]
-    )
-    order = np.argsort(t, kind="stable")
-    t = t[order]
-    state = np.cumsum(d[order])
-    on = state == 1
-    starts = t[:-1][on[:-1]]
-    ends = t[1:][on[:-1]]
-    keep = ends > starts
-    return merge(starts[keep], ends[keep])
+    pts = [(t, 1) for t in a[0]] + [(t, -1) for t in a[1]]
+    pts += [(t, 2) for t in b[0]] + [(t, -2) for t in b[1]]
+    pts.sort(key=_FIRST)
+    starts: list[int] = []
+    ends: list[int] = []
+    state = 0
+    for i, (t, d) in enumerate(pts):
+        state += d
+        if state == 1 and i + 1 < len(pts):
+            nxt = pts[i + 1][0]
+            if nxt > t:
+                starts.append(t)
+                ends.append(nxt)
+    return merge(starts, ends)
 
 
 def gaps(iv: Intervals, lo: int, hi: int) -> Intervals:
     """The complement of merged intervals within [lo, hi)."""
     s, e = clip(iv, lo, hi)
-    gs = np.concatenate([[lo], e])
-    ge = np.concatenate([s, [hi]])
-    keep = ge > gs
-    return gs[keep].astype(np.int64), ge[keep].astype(np.int64)
+    gs = [lo, *e]
+    ge = [*s, hi]
+    out_s: list[int] = []
+    out_e: list[int] = []
+    for a, b in zip(gs, ge, strict=True):
+        if b > a:
+            out_s.append(a)
+            out_e.append(b)
+    return out_s, out_e
+
+
+def median(values: Sequence[float]) -> float:
+    """Median as numpy computes it (mean of the two middle values for an even count)."""
+    v = sorted(values)
+    n = len(v)
+    if n == 0:
+        return float("nan")
+    mid = n // 2
+    if n % 2:
+        return float(v[mid])
+    return (float(v[mid - 1]) + float(v[mid])) / 2.0
+
+
+def mean(values: Sequence[float]) -> float:
+    v = [float(x) for x in values]
+    return sum(v) / len(v) if v else float("nan")

@@ -1,56 +1,74 @@
-"""Parse one Kineto trace file into a columnar frame, keeping only what the analyses use.
+"""Parse one Kineto trace file into compact columns, keeping only what the analyses use.
 
-msgspec decodes the JSON straight into typed structs that name only the needed fields, so
-the rest of each event (most of ``args``: shapes, concrete inputs, occupancy...) is skipped
-instead of becoming Python objects; the events then become one polars frame per rank.
-Timestamps follow HTA's convention (start rounded up, end rounded down to whole
-microseconds) so interval sums agree with it. A parse cache (parquet + metadata, keyed by
-path, mtime and size) makes re-analysis of the same files cheap.
+The file is decompressed in a background thread (zlib releases the GIL) in pieces of about
+1 MB, each cut at an event boundary and decoded by msgspec straight into typed structs that
+name only the needed fields (the rest of each event, and most of ``args``, is skipped
+without becoming Python objects). Each piece is then sorted into a few small groups and
+dropped, so neither the whole text nor all its events are ever alive at once:
+
+- device events (kernels, copies, sets): times, name, stream, correlation, comm args;
+- launches: (correlation, start, thread) of host events carrying a correlation id;
+- host ranges the analyses look at by name: ``ProfilerStep#N``, ``titan/...`` and host
+  comm ranges (``nccl:all_reduce``, ``record_param_comms``...);
+- plain CPU ops as (start, end, thread): the compute stream of CPU-only traces.
+
+Everything else (python_function, other cpu ops' names, flows, instant events, counters)
+is counted and dropped. Nothing here imports numpy or polars. Timestamps follow HTA's
+convention (start rounded up, end rounded down to whole microseconds) so interval sums
+agree with it. A parse cache (msgpack, keyed by path, mtime, size and config) makes
+re-analysis of the same files cheap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import queue
 import re
+import threading
 import zlib
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import orjson
-import polars as pl
 
 from titan_core.trace.categories import TraceConfig
 
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"
 
 
 class TraceError(Exception):
     """A trace file that cannot be analyzed; the message says why."""
 
 
-class _Args(msgspec.Struct, frozen=True):
-    external_id: int | float | str | None = msgspec.field(default=None, name="External id")
-    correlation: int | float | str | None = None
-    stream: int | float | str | None = None
+_Num = int | float | str | None
+
+
+class _Args(msgspec.Struct, frozen=True, gc=False):
+    external_id: _Num = msgspec.field(default=None, name="External id")
+    correlation: _Num = None
+    stream: _Num = None
     collective: str | None = msgspec.field(default=None, name="Collective name")
-    in_nelems: int | float | str | None = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: int | float | str | None = msgspec.field(default=None, name="Out msg nelems")
-    group_size: int | float | str | None = msgspec.field(default=None, name="Group size")
+    in_nelems: _Num = msgspec.field(default=None, name="In msg nelems")
+    out_nelems: _Num = msgspec.field(default=None, name="Out msg nelems")
+    group_size: _Num = msgspec.field(default=None, name="Group size")
     dtype: str | None = None
     pg_name: str | int | None = msgspec.field(default=None, name="Process Group Name")
     pg_desc: str | None = msgspec.field(default=None, name="Process Group Description")
     pg_ranks: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Process Group Ranks")
-    seq: int | float | str | None = msgspec.field(default=None, name="Seq")
+    seq: _Num = msgspec.field(default=None, name="Seq")
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
 
-class _Event(msgspec.Struct, frozen=True):
+class _Event(msgspec.Struct, frozen=True, gc=False):
     ph: str | None = None
     cat: str | None = None
     name: str | None = None
@@ -67,28 +85,77 @@ class _File(msgspec.Struct):
 
 
 _DECODER = msgspec.json.Decoder(_File)
+_PIECE_DECODER = msgspec.json.Decoder(list[_Event])
 
-SCHEMA: dict[str, Any] = {
-    "ts": pl.Int64,
-    "end": pl.Int64,
-    "cat": pl.Categorical,
-    "name": pl.Categorical,
-    "tid": pl.Categorical,
-    "stream": pl.Int64,
-    "corr": pl.Int64,
-    "ext": pl.Int64,
-    "coll": pl.String,
-    "in_n": pl.Int64,
-    "out_n": pl.Int64,
-    "gsize": pl.Int64,
-    "dtype": pl.String,
-    "pg_name": pl.String,
-    "pg_desc": pl.String,
-    "pg_ranks": pl.String,
-    "seq": pl.Int64,
-    "in_dims": pl.String,
-    "in_type": pl.String,
-}
+#: the comm args of an event, in this order (None when the event has none)
+COMM_FIELDS = (
+    "coll",
+    "in_n",
+    "out_n",
+    "gsize",
+    "dtype",
+    "pg_name",
+    "pg_desc",
+    "pg_ranks",
+    "seq",
+    "in_dims",
+    "in_type",
+)
+
+
+@dataclass
+class Events:
+    """The kept events of one rank, as columns (parallel lists; ``arrays`` of int64).
+
+    ``dev_*``: device events in file order; ``host_*``: host ranges looked at by name;
+    ``launch_*``: host events carrying a correlation id; ``ops_*``: plain CPU ops.
+    ``*_info``: per event, None or the tuple of :data:`COMM_FIELDS`.
+    """
+
+    dev_ts: array = field(default_factory=lambda: array("q"))
+    dev_end: array = field(default_factory=lambda: array("q"))
+    dev_name: list[str] = field(default_factory=list)
+    dev_cat: list[str] = field(default_factory=list)
+    dev_stream: array = field(default_factory=lambda: array("q"))
+    dev_corr: array = field(default_factory=lambda: array("q"))
+    dev_info: list[tuple | None] = field(default_factory=list)
+    host_ts: array = field(default_factory=lambda: array("q"))
+    host_end: array = field(default_factory=lambda: array("q"))
+    host_name: list[str] = field(default_factory=list)
+    host_cat: list[str] = field(default_factory=list)
+    host_tid: list[str] = field(default_factory=list)
+    host_info: list[tuple | None] = field(default_factory=list)
+    launch_corr: array = field(default_factory=lambda: array("q"))
+    launch_ts: array = field(default_factory=lambda: array("q"))
+    launch_tid: list[str] = field(default_factory=list)
+    ops_ts: array = field(default_factory=lambda: array("q"))
+    ops_end: array = field(default_factory=lambda: array("q"))
+    ops_tid: list[str] = field(default_factory=list)
+    #: any event with a device stream (tells GPU from CPU-only traces)
+    has_stream: bool = False
+    #: complete ("X") events seen, kept or not
+    n_events: int = 0
+
+    @property
+    def height(self) -> int:
+        """Number of kept events (device, host ranges and launches)."""
+        return len(self.dev_ts) + len(self.host_ts) + len(self.launch_ts)
+
+    def to_builtins(self) -> dict[str, Any]:
+        return {k: (v.tobytes() if isinstance(v, array) else v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_builtins(cls, d: dict[str, Any]) -> Events:
+        ev = cls()
+        for k, v in d.items():
+            cur = getattr(ev, k)
+            if isinstance(cur, array):
+                cur.frombytes(v)
+            elif isinstance(cur, list):
+                setattr(ev, k, [tuple(x) if isinstance(x, list) else x for x in v])
+            else:
+                setattr(ev, k, v)
+        return ev
 
 
 @dataclass
@@ -98,8 +165,7 @@ class RankTrace:
     path: str
     rank: int | None
     meta: dict[str, Any]
-    events: pl.DataFrame
-    cpu_ops: pl.DataFrame
+    events: Events
     warnings: list[str] = field(default_factory=list)
 
 
@@ -126,107 +192,123 @@ def _int(v: Any, default: int | None = -1) -> int | None:
         return default
 
 
-def _read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
-        # the gzip footer holds the uncompressed size (mod 4 GiB): decompress into one
-        # buffer of that size instead of growing (and copying) it
-        size_hint = int.from_bytes(data[-4:], "little") if len(data) >= 18 else 0
-        try:
-            d = zlib.decompressobj(wbits=31)
-            out = d.decompress(data, 0) if size_hint == 0 else d.decompress(data)
-            if not d.eof:
-                raise TraceError("truncated gzip stream")
-        except zlib.error as exc:
-            raise TraceError(f"corrupt gzip: {exc}") from exc
-        return out
-    return data
+class _Sorter:
+    """Sorts decoded events into the groups of :class:`Events`."""
 
+    def __init__(self, cfg: TraceConfig) -> None:
+        self.ev = Events()
+        self.gpu_cats = frozenset(cfg.gpu_event_cats)
+        self._is_cpu_comm = cfg.is_cpu_comm
+        self._special: dict[str, bool] = {}
+        self._comm: dict[str, bool] = {}
 
-def _rows_from_structs(
-    events: list[_Event], cfg: TraceConfig
-) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-    """Columns of the interesting events, and (ts, end, tid) of the plain CPU ops (only
-    needed as the compute stream of CPU-only traces, so kept in a compact frame)."""
-    cols: dict[str, list[Any]] = {k: [] for k in SCHEMA}
-    ops: dict[str, list[Any]] = {"ts": [], "end": [], "tid": []}
-    ops_ts, ops_end, ops_tid = ops["ts"], ops["end"], ops["tid"]
-    ts_l, end_l, cat_l, name_l, tid_l = (
-        cols["ts"],
-        cols["end"],
-        cols["cat"],
-        cols["name"],
-        cols["tid"],
-    )
-    stream_l, corr_l, ext_l = cols["stream"], cols["corr"], cols["ext"]
-    comm_cols = ("coll", "in_n", "out_n", "gsize", "dtype", "pg_name", "pg_desc", "pg_ranks", "seq")
-    comm_lists = [cols[c] for c in comm_cols]
-    dims_l, type_l = cols["in_dims"], cols["in_type"]
-    gpu_cats = set(cfg.gpu_event_cats)
-    is_cpu_comm = cfg.is_cpu_comm
-    ceil, floor = math.ceil, math.floor
-    for ev in events:
-        if ev.ph != "X" or ev.cat is None or ev.cat == "Trace" or ev.dur is None:
-            continue
-        try:
-            ts = float(ev.ts)  # type: ignore[arg-type]
-            dur = float(ev.dur)
-        except (TypeError, ValueError):
-            continue
-        cat = ev.cat
-        name = ev.name or ""
-        if cat == "cpu_op" and not is_cpu_comm(name):
-            ops_ts.append(ceil(ts))
-            ops_end.append(floor(ts + dur))
-            ops_tid.append(str(ev.tid))
-            continue
-        ts_l.append(ceil(ts))
-        end_l.append(floor(ts + dur))
-        cat_l.append(cat)
-        name_l.append(name)
-        tid_l.append(str(ev.tid))
-        a = ev.args
-        if a is None:
-            stream_l.append(-1)
-            corr_l.append(-1)
-            ext_l.append(-1)
-            for c in comm_lists:
-                c.append(None)
-            dims_l.append(None)
-            type_l.append(None)
-            continue
-        stream_l.append(_int(a.stream))
-        corr_l.append(_int(a.correlation))
-        ext_l.append(_int(a.external_id))
-        if a.collective is not None or a.pg_name is not None:
-            vals = (
-                a.collective,
-                _int(a.in_nelems, None),
-                _int(a.out_nelems, None),
-                _int(a.group_size, None),
-                a.dtype,
-                None if a.pg_name is None else str(a.pg_name),
-                a.pg_desc,
-                bytes(a.pg_ranks).decode() or None,
-                _int(a.seq, None),
+    def is_cpu_comm(self, name: str) -> bool:
+        v = self._comm.get(name)
+        if v is None:
+            v = self._comm[name] = self._is_cpu_comm(name)
+        return v
+
+    def special(self, name: str) -> bool:
+        """Host ranges the analyses look for by name."""
+        v = self._special.get(name)
+        if v is None:
+            v = self._special[name] = name.startswith(("ProfilerStep", "titan/")) or (
+                self.is_cpu_comm(name)
             )
-            for c, v in zip(comm_lists, vals, strict=True):
-                c.append(v)
-        else:
-            for c in comm_lists:
-                c.append(None)
-        if (cat in gpu_cats or is_cpu_comm(name)) and len(a.input_dims):
-            dims_l.append(bytes(a.input_dims).decode())
-            type_l.append(bytes(a.input_type).decode() or None)
-        else:
-            dims_l.append(None)
-            type_l.append(None)
-    return cols, ops
+        return v
+
+    def add(self, events: list[_Event]) -> None:
+        ev = self.ev
+        xs = [e for e in events if e.ph == "X"]
+        ev.n_events += len(xs)
+        gpu_cats = self.gpu_cats
+        ceil, floor = math.ceil, math.floor
+        comm = self.is_cpu_comm
+        special = self.special
+        for e in xs:
+            cat = e.cat
+            if cat is None or cat == "Trace" or e.dur is None:
+                continue
+            name = e.name or ""
+            if cat == "cpu_op" and not comm(name):
+                try:
+                    ts = float(e.ts)  # type: ignore[arg-type]
+                    dur = float(e.dur)
+                except (TypeError, ValueError):
+                    continue
+                ev.ops_ts.append(ceil(ts))
+                ev.ops_end.append(floor(ts + dur))
+                ev.ops_tid.append(str(e.tid))
+                continue
+            a = e.args
+            is_dev = cat in gpu_cats
+            if a is None:
+                stream = corr = -1
+            else:
+                stream = _int(a.stream)
+                corr = _int(a.correlation)
+            is_special = special(name)
+            is_launch = corr >= 0 and stream < 0 and not is_dev  # type: ignore[operator]
+            if not (is_dev or is_special or is_launch or stream >= 0):  # type: ignore[operator]
+                continue
+            try:
+                ts = float(e.ts)  # type: ignore[arg-type]
+                dur = float(e.dur)
+            except (TypeError, ValueError):
+                continue
+            t0, t1 = ceil(ts), floor(ts + dur)
+            if stream >= 0:  # type: ignore[operator]
+                ev.has_stream = True
+            if is_launch:
+                ev.launch_corr.append(corr)  # type: ignore[arg-type]
+                ev.launch_ts.append(t0)
+                ev.launch_tid.append(str(e.tid))
+            if is_dev or is_special:
+                info = None
+                if a is not None:
+                    info = _info(a, is_dev or comm(name))
+                if is_dev:
+                    ev.dev_ts.append(t0)
+                    ev.dev_end.append(t1)
+                    ev.dev_name.append(name)
+                    ev.dev_cat.append(cat)
+                    ev.dev_stream.append(stream)  # type: ignore[arg-type]
+                    ev.dev_corr.append(corr)  # type: ignore[arg-type]
+                    ev.dev_info.append(info)
+                if is_special:
+                    ev.host_ts.append(t0)
+                    ev.host_end.append(t1)
+                    ev.host_name.append(name)
+                    ev.host_cat.append(cat)
+                    ev.host_tid.append(str(e.tid))
+                    ev.host_info.append(info)
 
 
-def _rows_from_dicts(
-    events: list[dict[str, Any]], cfg: TraceConfig
-) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+def _info(a: _Args, dims: bool) -> tuple | None:
+    has_comm = a.collective is not None or a.pg_name is not None
+    has_dims = dims and len(a.input_dims) > 0
+    if not (has_comm or has_dims):
+        return None
+    if has_comm:
+        c: tuple = (
+            a.collective,
+            _int(a.in_nelems, None),
+            _int(a.out_nelems, None),
+            _int(a.group_size, None),
+            a.dtype,
+            None if a.pg_name is None else str(a.pg_name),
+            a.pg_desc,
+            bytes(a.pg_ranks).decode() or None,
+            _int(a.seq, None),
+        )
+    else:
+        c = (None,) * 9
+    if has_dims:
+        return (*c, bytes(a.input_dims).decode(), bytes(a.input_type).decode() or None)
+    return (*c, None, None)
+
+
+def _structs_from_dicts(events: list[Any]) -> list[_Event]:
     """Slow path for files whose field types the typed decoder rejects."""
 
     def raw(v: Any) -> msgspec.Raw:
@@ -267,80 +349,94 @@ def _rows_from_dicts(
                 args=args,
             )
         )
-    return _rows_from_structs(structs, cfg)
+    return structs
 
 
 _SEP = b"\n  },\n  {"
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _ARRAY_END = re.compile(rb"\n  \}\s*\]|^\s*\]")
-_PIECE_DECODER = msgspec.json.Decoder(list[_Event])
-_CHUNK = 2 << 20
+_PIECE = 1 << 20
+_DONE = object()
 
 
-def _iter_plain(path: Path) -> Any:
-    """Yield the decompressed bytes of a trace in chunks of a few MB."""
-    with open(path, "rb") as fh:
-        head = fh.read(2)
-        fh.seek(0)
-        if head == b"\x1f\x8b":
-            d = zlib.decompressobj(wbits=31)
-            while True:
-                comp = fh.read(_CHUNK // 4)
-                if not comp:
-                    break
-                try:
-                    out = d.decompress(comp, _CHUNK)
-                    while out:
-                        yield out
-                        tail = d.unconsumed_tail
-                        out = d.decompress(tail, _CHUNK) if tail else b""
-                except zlib.error as exc:
-                    raise TraceError(f"corrupt gzip: {exc}") from exc
-            if not d.eof:
-                raise TraceError("truncated gzip stream")
-        else:
-            while chunk := fh.read(_CHUNK):
-                yield chunk
+def _read_chunks(path: Path, out: queue.Queue) -> None:
+    """Producer: the decompressed bytes of a trace in pieces of about ``_PIECE`` bytes
+    (then ``_DONE``, or the exception that stopped it)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(2)
+            fh.seek(0)
+            if head == b"\x1f\x8b":
+                d = zlib.decompressobj(wbits=31)
+                while True:
+                    comp = fh.read(_PIECE // 4)
+                    if not comp:
+                        break
+                    try:
+                        piece = d.decompress(comp, _PIECE)
+                        while piece:
+                            out.put(piece)
+                            tail = d.unconsumed_tail
+                            piece = d.decompress(tail, _PIECE) if tail else b""
+                    except zlib.error as exc:
+                        raise TraceError(f"corrupt gzip: {exc}") from exc
+                    if d.eof:
+                        break
+                if not d.eof:
+                    raise TraceError("truncated gzip stream")
+            else:
+                while chunk := fh.read(_PIECE):
+                    out.put(chunk)
+        out.put(_DONE)
+    except BaseException as exc:  # handed to the consumer
+        out.put(exc)
 
 
-OPS_SCHEMA: dict[str, Any] = {"ts": pl.Int64, "end": pl.Int64, "tid": pl.Categorical}
+def _iter_plain(path: Path) -> Iterator[bytes]:
+    """The decompressed bytes of a trace, produced by a background thread (zlib drops the
+    GIL while inflating, so decompression overlaps with decoding on another core)."""
+    q: queue.Queue = queue.Queue(maxsize=4)
+    t = threading.Thread(target=_read_chunks, args=(path, q), daemon=True)
+    t.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        # drain so that a producer blocked on a full queue can finish
+        while t.is_alive():
+            with contextlib.suppress(queue.Empty):
+                q.get(timeout=0.05)
+        t.join()
 
 
-def _frame(cols: dict[str, list[Any]]) -> pl.DataFrame:
-    return pl.DataFrame(cols, schema=SCHEMA)
-
-
-def _frames(
-    both: tuple[dict[str, list[Any]], dict[str, list[Any]]],
-) -> tuple[pl.DataFrame, pl.DataFrame]:
-    return pl.DataFrame(both[0], schema=SCHEMA), pl.DataFrame(both[1], schema=OPS_SCHEMA)
-
-
-def _stream_events(
-    path: Path, cfg: TraceConfig
-) -> tuple[bytes, list[tuple[pl.DataFrame, pl.DataFrame]]]:
+def _stream_events(path: Path, sorter: _Sorter) -> bytes:
     """Decode a Kineto-formatted trace piece by piece (events are split at their
     top-level boundaries), so only a few MB of JSON text and Python objects are alive at
-    a time. Returns the document without its events, and the event frames."""
+    a time. Returns the document without its events."""
     buf = bytearray()
     header: bytes | None = None
-    frames: list[tuple[pl.DataFrame, pl.DataFrame]] = []
     for chunk in _iter_plain(path):
         buf += chunk
+        del chunk
         if header is None:
             m = _EVENTS_KEY.search(buf)
             if m is None:
                 continue
             header = bytes(buf[: m.start()]) + b'"traceEvents": '
             del buf[: m.end()]
-        if len(buf) < _CHUNK:
+        if len(buf) < _PIECE:
             continue
         cut = buf.rfind(_SEP)
         if cut < 0:
             continue
         piece = b"[" + buf[: cut + 4] + b"]"
         del buf[: cut + 5]
-        frames.append(_frames(_rows_from_structs(_PIECE_DECODER.decode(piece), cfg)))
+        sorter.add(_PIECE_DECODER.decode(piece))
         del piece
     if header is None:
         raise TraceError("no traceEvents array (truncated or not a Kineto trace)")
@@ -352,9 +448,22 @@ def _stream_events(
     tail_start = m.end()
     body_end = m.start() + (4 if buf[m.start() : m.start() + 1] == b"\n" else 0)
     piece = b"[" + buf[:body_end] + b"]"
-    frames.append(_frames(_rows_from_structs(_PIECE_DECODER.decode(piece), cfg)))
-    doc = header + b"[]" + bytes(buf[tail_start:])
-    return doc, frames
+    sorter.add(_PIECE_DECODER.decode(piece))
+    return header + b"[]" + bytes(buf[tail_start:])
+
+
+def _read_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
+        try:
+            d = zlib.decompressobj(wbits=31)
+            out = d.decompress(data)
+            if not d.eof:
+                raise TraceError("truncated gzip stream")
+        except zlib.error as exc:
+            raise TraceError(f"corrupt gzip: {exc}") from exc
+        return out
+    return data
 
 
 def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
@@ -362,16 +471,14 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
     cfg = cfg or TraceConfig()
     p = Path(path)
     warnings: list[str] = []
+    sorter = _Sorter(cfg)
     try:
-        doc_bytes, frames = _stream_events(p, cfg)
-        doc = _DECODER.decode(doc_bytes)
+        doc = _DECODER.decode(_stream_events(p, sorter))
         dist = doc.distributedInfo or {}
         device_props = doc.deviceProperties or []
-        events = pl.concat([f[0] for f in frames], rechunk=False)
-        cpu_ops = pl.concat([f[1] for f in frames], rechunk=False)
-        del frames
     except (msgspec.DecodeError, msgspec.ValidationError, TraceError) as first:
         # not in Kineto's layout, odd field types, or really broken: whole-file slow path
+        sorter = _Sorter(cfg)
         try:
             data = _read_bytes(p)
             raw_doc = orjson.loads(data)
@@ -384,8 +491,9 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
             raise TraceError(f"not a Kineto trace ({first})") from None
         dist = raw_doc.get("distributedInfo") or {}
         device_props = raw_doc.get("deviceProperties") or []
-        events, cpu_ops = _frames(_rows_from_dicts(raw_doc["traceEvents"], cfg))
+        sorter.add(_structs_from_dicts(raw_doc["traceEvents"]))
         del raw_doc
+    events = sorter.ev
     rank = _int(dist.get("rank"), None) if isinstance(dist, dict) else None
     if rank is None:
         m = _RANK_IN_NAME.search(p.name)
@@ -398,7 +506,7 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
         "pg_config": _pg_config(dist.get("pg_config")) if isinstance(dist, dict) else [],
         "device": _device_kind(device_props, events),
     }
-    return RankTrace(str(p), rank, meta, events, cpu_ops, warnings)
+    return RankTrace(str(p), rank, meta, events, warnings)
 
 
 def _pg_config(pgs: Any) -> list[dict[str, Any]]:
@@ -417,18 +525,21 @@ def _pg_config(pgs: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _device_kind(device_props: list[Any], events: pl.DataFrame) -> str:
+def _device_kind(device_props: list[Any], events: Events) -> str:
     names = " ".join(str(d.get("name", "")) for d in device_props if isinstance(d, dict)).lower()
     if any(k in names for k in ("mi2", "mi3", "amd", "radeon", "instinct")):
         return "rocm"
     if "mtia" in names:
         return "mtia"
-    if events.filter(pl.col("stream") >= 0).height == 0:
+    if not events.has_stream:
         return "cpu"
     return "gpu"
 
 
 # ----------------------------------------------------------------------------- cache
+
+_CACHE_ENC = msgspec.msgpack.Encoder()
+_CACHE_DEC = msgspec.msgpack.Decoder()
 
 
 def cache_key(path: str | Path) -> str:
@@ -446,28 +557,32 @@ def load_cached(
         return parse_file(path, cfg)
     cfg_key = hashlib.sha1(json.dumps(cfg.to_dict() if cfg else {}, sort_keys=True).encode())
     key = cache_key(path) + cfg_key.hexdigest()[:8]
-    d = Path(cache_dir)
-    pq, po, mj = d / f"{key}.parquet", d / f"{key}.ops.parquet", d / f"{key}.json"
-    if pq.exists() and mj.exists() and po.exists():
+    target = Path(cache_dir) / f"{key}.msgpack"
+    if target.exists():
         try:
-            info = json.loads(mj.read_text())
+            info = _CACHE_DEC.decode(target.read_bytes())
             return RankTrace(
                 info["path"],
                 info["rank"],
                 info["meta"],
-                pl.read_parquet(pq),
-                pl.read_parquet(po),
+                Events.from_builtins(info["events"]),
                 info["warnings"],
             )
         except Exception:  # a damaged cache entry is just re-parsed
             pass
     rt = parse_file(path, cfg)
-    d.mkdir(parents=True, exist_ok=True)
-    for frame, target in ((rt.events, pq), (rt.cpu_ops, po)):
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        frame.write_parquet(tmp, compression="lz4")
-        os.replace(tmp, target)
-    mj.write_text(
-        json.dumps({"path": rt.path, "rank": rt.rank, "meta": rt.meta, "warnings": rt.warnings})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(
+        _CACHE_ENC.encode(
+            {
+                "path": rt.path,
+                "rank": rt.rank,
+                "meta": rt.meta,
+                "warnings": rt.warnings,
+                "events": rt.events.to_builtins(),
+            }
+        )
     )
+    os.replace(tmp, target)
     return rt

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
-
 from titan_core.trace.breakdown import RankResult
+from titan_core.trace.intervals import mean, median
 
 
 def pipeline_groups(results: list[RankResult], pp: int | None = None) -> list[list[int]]:
@@ -104,13 +103,13 @@ def _microbatch_count(first: RankResult) -> tuple[int | None, int]:
             counts.append(len(mbs))
             vs = max(vs, 1 + max(m[2] for m in s.microbatches))
     if counts:
-        return int(np.median(counts)), vs
+        return int(median(counts)), vs
     sends = defaultdict(int)
     for op in first.comm_ops:
         if op.step >= 0 and any(d == "send" for d, _ in op.p2p):
             sends[op.step] += 1
     if sends:
-        return int(np.median(list(sends.values()))), 1
+        return int(median(list(sends.values()))), 1
     return None, 1
 
 
@@ -141,10 +140,10 @@ def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[
                 {
                     "stage": si,
                     "rank": r.rank,
-                    "bubble_ratio": round(float(np.mean(ratios)), 4) if ratios else None,
+                    "bubble_ratio": round(mean(ratios), 4) if ratios else None,
                     "bubble_us": int(bubble / max(1, len(ratios))),
                     "compute_us": int(
-                        np.mean([s.computation for s in r.steps if s.step in windows] or [0])
+                        mean([s.computation for s in r.steps if s.step in windows] or [0])
                     ),
                 }
             )

@@ -60,7 +60,7 @@ def _figures(s: dict[str, Any], results: list[RankResult]) -> list[tuple[str, st
                 r = by_rank.get(rank)
                 if r is None:
                     continue
-                cs, ce = r.compute_coarse
+                cs, ce = (np.asarray(x, dtype=np.int64) for x in r.compute_coarse)
                 m = (ce > lo) & (cs < hi)
                 ax.broken_barh(
                     [((a - lo) / 1e3, (b - a) / 1e3) for a, b in zip(cs[m], ce[m], strict=True)],

@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
-
 from titan_core.trace.breakdown import RankResult
+from titan_core.trace.intervals import median
 from titan_core.trace.matching import Key
 
 
@@ -32,15 +31,15 @@ def clock_offsets(
                 continue
             if key[0] != "c" and all(r in in_coll for r, _ in members):
                 continue
-            ends = np.array([by_rank[r].comm_ops[i].end - offsets[r] for r, i in members])
-            med = float(np.median(ends))
+            ends = [by_rank[r].comm_ops[i].end - offsets[r] for r, i in members]
+            med = median(ends)
             for (r, _), e in zip(members, ends, strict=True):
                 resid[r].append(e - med)
         if not resid:
             break
         for r, v in resid.items():
-            offsets[r] += float(np.median(v))
-        shift = float(np.median(list(offsets.values())))
+            offsets[r] += median(v)
+        shift = median(list(offsets.values()))
         offsets = {r: o - shift for r, o in offsets.items()}
     return offsets
 
@@ -55,13 +54,13 @@ def late_arrivals(
     for key, members in parts.items():
         if key[0] != "c" or len(members) < 2:
             continue
-        arr = np.array([by_rank[r].comm_ops[i].ts - offsets[r] for r, i in members])
-        j = int(np.argmax(arr))
+        arr = [by_rank[r].comm_ops[i].ts - offsets[r] for r, i in members]
+        j = arr.index(max(arr))
         for r, _ in members:
             stats[r]["n"] += 1
         r_last = members[j][0]
         stats[r_last]["last"] += 1
-        stats[r_last]["delay_us"] += float(arr[j] - np.median(arr))
+        stats[r_last]["delay_us"] += float(arr[j] - median(arr))
     return stats
 
 
@@ -77,11 +76,11 @@ def compute_outliers(
     for vals in table.values():
         if len(vals) < 2:
             continue
-        x = np.array([v for _, v in vals], dtype=float)
+        x = [float(v) for _, v in vals]
         for j, (rank, _) in enumerate(vals):
-            others = np.delete(x, j)
-            med = float(np.median(others))
-            mad = float(np.median(np.abs(others - med))) * 1.4826
+            others = x[:j] + x[j + 1 :]
+            med = median(others)
+            mad = median([abs(o - med) for o in others]) * 1.4826
             xv = x[j]
             if xv > med * 1.05 and (mad == 0 or (xv - med) / mad > 3.0):
                 out[rank]["steps"] += 1
@@ -99,9 +98,9 @@ def slow_ranks(
     """Ranks ordered by severity (the step time they cost, in us), with the evidence."""
     late = late_arrivals(results, parts, offsets)
     comp = compute_outliers(results, peer_class)
-    med_step = float(np.median([s.end - s.start for r in results for s in r.steps] or [0]))
+    med_step = median([s.end - s.start for r in results for s in r.steps] or [0])
     out = []
-    members = max(2.0, float(np.median([len(m) for m in parts.values()] or [2])))
+    members = max(2.0, median([len(m) for m in parts.values()] or [2]))
     for r in results:
         lt, co = late.get(r.rank), comp.get(r.rank)
         n = lt["n"] if lt else 0
