@@ -91,8 +91,6 @@ class ParallelConfig(Section):
     #: megatron's EP comm/compute overlap (needs EP > 1, alltoall/flex, bf16, VPP when PP > 1).
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
-    #: pipeline P2P transport: torch.distributed (gloo/nccl/mccl) or Mooncake.
-    p2p_backend: Literal["torch", "mooncake"] = "torch"
     distributed_timeout_minutes: PositiveInt = 10
 
 
