@@ -175,7 +175,9 @@ def main() -> None:
              "checkpoint.save_interval=0", "data.num_samples=20000"],
             args.nproc,
         )  # fmt: skip
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
         titan = [r["tokens_per_s"] for r in records][WARMUP:-1]  # last step also saves
     b, ti = statistics.median(bare), statistics.median(titan)
     print(f"bare megatron-core: {b:,.0f} tokens/s (median of {len(bare)} steps)")

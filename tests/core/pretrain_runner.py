@@ -53,7 +53,9 @@ def run_pretrain(
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()
-            raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s\n{err[-4000:]}")
+            raise AssertionError(
+                f"{' '.join(cmd)} timed out after {timeout}s\n{err[-4000:]}"
+            ) from None
     proc = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -24,7 +24,12 @@ from titan_core.accelerator.registry import _REGISTRY
 @pytest.fixture(autouse=True)
 def clean_registry(monkeypatch):
     saved = dict(_REGISTRY)
-    for var in ("TITAN_ACCELERATOR", "SLIME_ACCELERATOR", "MUSA_VISIBLE_DEVICES", "MUSA_PATCH_PATH"):
+    for var in (
+        "TITAN_ACCELERATOR",
+        "SLIME_ACCELERATOR",
+        "MUSA_VISIBLE_DEVICES",
+        "MUSA_PATCH_PATH",
+    ):
         monkeypatch.delenv(var, raising=False)
     reset_accelerator()
     yield

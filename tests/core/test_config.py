@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.core.pretrain_runner import TINY, run_pretrain
 from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import PretrainConfig, check_layout
-from tests.core.pretrain_runner import TINY, run_pretrain
 
 
 def test_defaults_are_valid():
@@ -15,7 +15,9 @@ def test_defaults_are_valid():
 
 
 def test_override_types_are_parsed():
-    cfg = load_config(PretrainConfig, TINY, ["train.lr=1e-2", "train.bf16=true", "model.num_layers=8"])
+    cfg = load_config(
+        PretrainConfig, TINY, ["train.lr=1e-2", "train.bf16=true", "model.num_layers=8"]
+    )
     assert cfg.train.lr == 1e-2 and cfg.train.bf16 is True and cfg.model.num_layers == 8
 
 

@@ -33,7 +33,11 @@ def test_byte_tokenizer_round_trip():
 def _tiny_hf_tokenizer(path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"<|endoftext|>": 0, "<pad>": 1, **{c: i + 2 for i, c in enumerate("0123456789+=\n ab")}}
+    vocab = {
+        "<|endoftext|>": 0,
+        "<pad>": 1,
+        **{c: i + 2 for i, c in enumerate("0123456789+=\n ab")},
+    }
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     tok.save(str(path))

@@ -35,14 +35,23 @@ def dense_reference(tmp_path_factory, dense_seed) -> list[float]:
     [
         ["parallel.tensor_model_parallel_size=2"],
         ["parallel.pipeline_model_parallel_size=2"],
-        ["parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2"],
+        [
+            "parallel.pipeline_model_parallel_size=2",
+            "parallel.virtual_pipeline_model_parallel_size=2",
+        ],
     ],
     ids=["tp2", "pp2-1f1b", "pp2-vpp2"],
 )
 def test_dense_layout_matches_single_process(tmp_path, dense_seed, dense_reference, layout):
     run_pretrain(
         TINY,
-        [*FAST, *STEPS, *layout, f"run.dir={tmp_path}", f"checkpoint.pretrained_checkpoint={dense_seed}"],
+        [
+            *FAST,
+            *STEPS,
+            *layout,
+            f"run.dir={tmp_path}",
+            f"checkpoint.pretrained_checkpoint={dense_seed}",
+        ],
         nproc=2,
     )
     got = losses(tmp_path)
@@ -61,3 +70,34 @@ def test_moe_expert_parallel_matches_single_process(tmp_path_factory):
         TINY_MOE, [*common, f"run.dir={ep_dir}", "parallel.expert_model_parallel_size=2"], nproc=2
     )
     assert losses(ep_dir) == pytest.approx(losses(ref_dir), rel=1e-4)
+
+
+def test_activation_offload_on_vpp_changes_nothing(tmp_path, dense_seed):
+    """megatron's fine-grained activation offload (1F1B/VPP aware) against the same run
+    without it: identical losses."""
+    common = [*FAST, *STEPS, f"checkpoint.pretrained_checkpoint={dense_seed}",
+              "parallel.pipeline_model_parallel_size=2",
+              "parallel.virtual_pipeline_model_parallel_size=2"]  # fmt: skip
+    run_pretrain(TINY, [*common, f"run.dir={tmp_path / 'plain'}"], nproc=2)
+    run_pretrain(
+        TINY,
+        [*common, f"run.dir={tmp_path / 'offload'}", "train.offload_modules=[core_attn]"],
+        nproc=2,
+    )
+    assert losses(tmp_path / "offload") == pytest.approx(losses(tmp_path / "plain"), rel=1e-6)
+
+
+def test_expert_parallel_overlap_matches_plain_schedule(tmp_path):
+    """EP comm/compute overlap (megatron's combined 1F1B, bf16) against plain EP=2 in bf16."""
+    common = [*FAST, *STEPS, "train.bf16=true", "parallel.expert_model_parallel_size=2"]
+    run_pretrain(TINY_MOE, [*common, f"run.dir={tmp_path / 'plain'}"], nproc=2)
+    run_pretrain(
+        TINY_MOE,
+        [
+            *common,
+            f"run.dir={tmp_path / 'overlap'}",
+            "parallel.overlap_moe_expert_parallel_comm=true",
+        ],
+        nproc=2,
+    )
+    assert losses(tmp_path / "overlap") == pytest.approx(losses(tmp_path / "plain"), rel=1e-3)

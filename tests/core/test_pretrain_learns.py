@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.core.pretrain_runner import TINY, run_pretrain
 from titan_core.checkpoint.dist import latest_iteration
 from titan_core.training.metrics import read_metrics
-from tests.core.pretrain_runner import TINY, run_pretrain
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.core.pretrain_runner import FAST, TINY, losses, run_pretrain
 from titan_core.checkpoint.dist import TRACKER, latest_iteration
 from titan_core.training.metrics import read_metrics
-from tests.core.pretrain_runner import FAST, TINY, losses, run_pretrain
 
 pytestmark = pytest.mark.slow
 

@@ -130,7 +130,7 @@ class Accelerator(ABC):
         """The backend for trainer -> rollout engine weight broadcast groups."""
         return self.communication_backend(default)
 
-    def post_import_torch(self) -> None:
+    def post_import_torch(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Hook run once at start-up, after torch is imported (MUSA loads torchada here)."""
 
     @property

@@ -22,7 +22,9 @@ called by ``titan_core.parallel.initialize`` at start-up (never at import time):
      return CPU objects.
   4. ``torch.cuda.Stream/Event/current_stream/stream/default_stream`` -> inert CPU
      stand-ins; ``Tensor.record_stream`` is a no-op on CPU tensors.
-  5. ``pin_memory`` (offloading) is a no-op without a driver.
+  5. Offloading: ``pin_memory`` is a no-op without a driver, and megatron's fine-grained
+     activation offload, which flags Transformer Engine's ``cpu_offload`` module while it
+     runs, gets a stand-in for that flag where TE is absent.
   6. MoE all-to-all: ``moe_utils.maybe_move_tensor_to_cpu`` also converts CPU tensors to
      numpy when asked, so split sizes are lists, as on GPU.
   7. ``torch.cuda.nvtx.range_push/range_pop/range`` -> no-ops.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -78,7 +81,11 @@ class _CpuDeviceMode(TorchFunctionMode):
             if kwargs.get("pin_memory"):
                 kwargs = dict(kwargs)
                 kwargs["pin_memory"] = False
-        if args and func is torch.Tensor.to and _is_accel_device(args[1] if len(args) > 1 else None):
+        if (
+            args
+            and func is torch.Tensor.to
+            and _is_accel_device(args[1] if len(args) > 1 else None)
+        ):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **(kwargs or {}))
 
@@ -118,7 +125,9 @@ def _install_cpu(accel: Accelerator) -> None:
     _patch(cuda, "get_rng_state", _cpu_rng_get)
     _patch(cuda, "set_rng_state", _cpu_rng_set)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the generator directly.
-    _patch(cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
+    _patch(
+        cuda, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None
+    )
     _patch(cuda, "manual_seed_all", _noop_factory("manual_seed_all"))
     random_mod = importlib.import_module("megatron.core.tensor_parallel.random")
     _patch(random_mod, "_get_cuda_rng_state", lambda *a, clone=False, **k: _cpu_rng_get().clone())
@@ -159,6 +168,9 @@ def _install_cpu(accel: Accelerator) -> None:
     _patch(torch.Tensor, "type", tensor_type)
     # 5. pinned memory
     _patch(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    te_ext = importlib.import_module("megatron.core.extensions.transformer_engine")
+    if getattr(te_ext, "cpu_offload", None) is None:
+        _patch(te_ext, "cpu_offload", types.SimpleNamespace(CPUOffloadEnabled=False))
     # 7. nvtx
     nvtx = importlib.import_module("torch.cuda.nvtx")
     _patch(nvtx, "range_push", _noop_factory("range_push"))
@@ -193,7 +205,7 @@ def install_megatron_compat(accel: Accelerator) -> None:
     """Answer megatron-core's CUDA calls with ``accel``. Idempotent; once per process."""
     global _INSTALLED_FOR
     if _INSTALLED_FOR is not None:
-        if _INSTALLED_FOR != accel.name:
+        if accel.name != _INSTALLED_FOR:
             raise RuntimeError(
                 f"megatron compat is installed for {_INSTALLED_FOR}, cannot switch to {accel.name}"
             )

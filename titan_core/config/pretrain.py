@@ -276,10 +276,7 @@ def check_layout(cfg: PretrainConfig, world_size: int) -> int:
             "change train.global_batch_size"
         )
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if (
-        p.virtual_pipeline_model_parallel_size
-        and num_micro % p.pipeline_model_parallel_size
-    ):
+    if p.virtual_pipeline_model_parallel_size and num_micro % p.pipeline_model_parallel_size:
         raise ConfigError(
             f"interleaved pipelining needs the number of microbatches ({num_micro}) to be a "
             f"multiple of parallel.pipeline_model_parallel_size "

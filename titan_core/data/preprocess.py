@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {n} documents to {args.output_prefix}.bin/.idx", end="")
     if skipped:
-        print(f"; skipped {len(skipped)} rows without a string {args.json_key!r} "
-              f"(first at line {skipped[0]})", end="")
+        print(
+            f"; skipped {len(skipped)} rows without a string {args.json_key!r} "
+            f"(first at line {skipped[0]})",
+            end="",
+        )
     print()
     return 0
 
