@@ -10,10 +10,9 @@ those small results.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,10 @@ from titan_core.trace.stragglers import clock_offsets, slow_ranks
 
 
 def _work(path: str, cfg: TraceConfig, cache_dir: str | None) -> RankResult | tuple[str, str]:
+    # parsing and reducing a rank allocates many objects and frees them by reference
+    # counting: the cyclic GC would only rescan them over and over
+    gc_was = gc.isenabled()
+    gc.disable()
     try:
         rt = load_cached(path, cfg, cache_dir)
         return analyze_rank(rt, cfg, -1 if rt.rank is None else rt.rank)
@@ -35,6 +38,9 @@ def _work(path: str, cfg: TraceConfig, cache_dir: str | None) -> RankResult | tu
         return (path, str(exc))
     except Exception as exc:  # one bad file must not stop the others
         return (path, f"{type(exc).__name__}: {exc}")
+    finally:
+        if gc_was:
+            gc.enable()
 
 
 #: below this many compressed bytes per extra worker, parse in this process
@@ -89,6 +95,9 @@ def load_ranks(
             if bar:
                 bar.update(1)
     else:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from multiprocessing import get_context
+
         with ProcessPoolExecutor(min(workers, len(files)), mp_context=get_context("spawn")) as ex:
             futs = [ex.submit(_work, f, cfg, cache) for f in files]
             for fut in as_completed(futs):

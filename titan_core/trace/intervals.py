@@ -46,16 +46,16 @@ def total(iv: Intervals) -> int:
 def clip(iv: Intervals, lo: int, hi: int) -> Intervals:
     """Restrict merged intervals to [lo, hi)."""
     s, e = iv
-    i0 = bisect_right(e, lo)
-    i1 = bisect_left(s, hi)
-    out_s: list[int] = []
-    out_e: list[int] = []
-    for a, b in zip(s[i0:i1], e[i0:i1], strict=True):
-        a = max(a, lo)
-        b = min(b, hi)
-        if b > a:
-            out_s.append(a)
-            out_e.append(b)
+    i0 = bisect_right(e, lo)  # first interval ending after lo
+    i1 = bisect_left(s, hi)  # past the last one starting before hi
+    if i1 <= i0:
+        return [], []
+    out_s, out_e = s[i0:i1], e[i0:i1]
+    # disjoint and sorted: only the first can start before lo, only the last end after hi
+    if out_s[0] < lo:
+        out_s[0] = lo
+    if out_e[-1] > hi:
+        out_e[-1] = hi
     return out_s, out_e
 
 

@@ -1,7 +1,6 @@
 """Parse one Kineto trace file into compact columns, keeping only what the analyses use.
 
-The file is decompressed in a background thread (zlib releases the GIL) in pieces of about
-1 MB, each cut at an event boundary and decoded by msgspec straight into typed structs that
+The file is decompressed in pieces of about 64 KB, each cut at an event boundary and decoded by msgspec straight into typed structs that
 name only the needed fields (the rest of each event, and most of ``args``, is skipped
 without becoming Python objects). Each piece is then sorted into a few small groups and
 dropped, so neither the whole text nor all its events are ever alive at once:
@@ -21,14 +20,11 @@ re-analysis of the same files cheap.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import gc
 import json
 import math
 import os
-import queue
 import re
-import threading
 import zlib
 from array import array
 from collections.abc import Iterator
@@ -37,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import orjson
 
 from titan_core.trace.categories import TraceConfig
 
@@ -52,9 +47,9 @@ _Num = int | float | str | None
 
 
 class _Args(msgspec.Struct, frozen=True, gc=False):
-    external_id: _Num = msgspec.field(default=None, name="External id")
-    correlation: _Num = None
-    stream: _Num = None
+    # ints as Kineto writes them; a file with other types takes the slow path
+    correlation: int = -1
+    stream: int = -1
     collective: str | None = msgspec.field(default=None, name="Collective name")
     in_nelems: _Num = msgspec.field(default=None, name="In msg nelems")
     out_nelems: _Num = msgspec.field(default=None, name="Out msg nelems")
@@ -68,14 +63,17 @@ class _Args(msgspec.Struct, frozen=True, gc=False):
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
 
+_NO_ARGS = _Args()
+
+
 class _Event(msgspec.Struct, frozen=True, gc=False):
     ph: str | None = None
     cat: str | None = None
-    name: str | None = None
+    name: str = ""
     tid: int | float | str | None = None
-    ts: float | str | None = None
-    dur: float | str | None = None
-    args: _Args | None = None
+    ts: float = math.nan
+    dur: float = math.nan
+    args: _Args = _NO_ARGS
 
 
 class _File(msgspec.Struct):
@@ -193,98 +191,80 @@ def _int(v: Any, default: int | None = -1) -> int | None:
 
 
 class _Sorter:
-    """Sorts decoded events into the groups of :class:`Events`."""
+    """Sorts decoded events into the groups of :class:`Events`, a piece at a time, with
+    comprehensions over the piece rather than a Python loop per event."""
 
-    def __init__(self, cfg: TraceConfig) -> None:
+    def __init__(self, cfg: TraceConfig, cpu_ops: bool = False) -> None:
         self.ev = Events()
+        self.cpu_ops = cpu_ops
         self.gpu_cats = frozenset(cfg.gpu_event_cats)
         self._is_cpu_comm = cfg.is_cpu_comm
-        self._special: dict[str, bool] = {}
-        self._comm: dict[str, bool] = {}
+        self._seen: set[str] = set()
+        self._special: set[str] = set()
+        self._comm: set[str] = set()
 
-    def is_cpu_comm(self, name: str) -> bool:
-        v = self._comm.get(name)
-        if v is None:
-            v = self._comm[name] = self._is_cpu_comm(name)
-        return v
-
-    def special(self, name: str) -> bool:
-        """Host ranges the analyses look for by name."""
-        v = self._special.get(name)
-        if v is None:
-            v = self._special[name] = name.startswith(("ProfilerStep", "titan/")) or (
-                self.is_cpu_comm(name)
-            )
-        return v
+    def _classify(self, names: set[str]) -> None:
+        new = names - self._seen
+        if not new:
+            return
+        self._seen |= new
+        for n in new:
+            comm = self._is_cpu_comm(n)
+            if comm:
+                self._comm.add(n)
+            if comm or n.startswith(("ProfilerStep", "titan/")):
+                self._special.add(n)
 
     def add(self, events: list[_Event]) -> None:
         ev = self.ev
-        xs = [e for e in events if e.ph == "X"]
+        # complete events with a category and a duration ("Trace" is the profiler's span)
+        xs = [e for e in events if e.ph == "X" and e.cat is not None and e.dur == e.dur]
         ev.n_events += len(xs)
+        xs = [e for e in xs if e.cat != "Trace" and e.ts == e.ts]
         gpu_cats = self.gpu_cats
-        ceil, floor = math.ceil, math.floor
-        comm = self.is_cpu_comm
-        special = self.special
-        for e in xs:
-            cat = e.cat
-            if cat is None or cat == "Trace" or e.dur is None:
-                continue
-            name = e.name or ""
-            if cat == "cpu_op" and not comm(name):
-                try:
-                    ts = float(e.ts)  # type: ignore[arg-type]
-                    dur = float(e.dur)
-                except (TypeError, ValueError):
-                    continue
-                ev.ops_ts.append(ceil(ts))
-                ev.ops_end.append(floor(ts + dur))
-                ev.ops_tid.append(str(e.tid))
-                continue
-            a = e.args
-            is_dev = cat in gpu_cats
-            if a is None:
-                stream = corr = -1
-            else:
-                stream = _int(a.stream)
-                corr = _int(a.correlation)
-            is_special = special(name)
-            is_launch = corr >= 0 and stream < 0 and not is_dev  # type: ignore[operator]
-            if not (is_dev or is_special or is_launch or stream >= 0):  # type: ignore[operator]
-                continue
-            try:
-                ts = float(e.ts)  # type: ignore[arg-type]
-                dur = float(e.dur)
-            except (TypeError, ValueError):
-                continue
-            t0, t1 = ceil(ts), floor(ts + dur)
-            if stream >= 0:  # type: ignore[operator]
-                ev.has_stream = True
-            if is_launch:
-                ev.launch_corr.append(corr)  # type: ignore[arg-type]
-                ev.launch_ts.append(t0)
-                ev.launch_tid.append(str(e.tid))
-            if is_dev or is_special:
-                info = None
-                if a is not None:
-                    info = _info(a, is_dev or comm(name))
-                if is_dev:
-                    ev.dev_ts.append(t0)
-                    ev.dev_end.append(t1)
-                    ev.dev_name.append(name)
-                    ev.dev_cat.append(cat)
-                    ev.dev_stream.append(stream)  # type: ignore[arg-type]
-                    ev.dev_corr.append(corr)  # type: ignore[arg-type]
-                    ev.dev_info.append(info)
-                if is_special:
-                    ev.host_ts.append(t0)
-                    ev.host_end.append(t1)
-                    ev.host_name.append(name)
-                    ev.host_cat.append(cat)
-                    ev.host_tid.append(str(e.tid))
-                    ev.host_info.append(info)
+        dev = [e for e in xs if e.cat in gpu_cats]
+        rest = [e for e in xs if e.cat not in gpu_cats]
+        self._classify({e.name for e in rest})
+        comm, special = self._comm, self._special
+        if self.cpu_ops:
+            ops = [e for e in rest if e.cat == "cpu_op" and e.name not in comm]
+            ev.ops_ts.extend(map(math.ceil, [e.ts for e in ops]))
+            ev.ops_end.extend(map(math.floor, [e.ts + e.dur for e in ops]))
+            ev.ops_tid.extend([str(e.tid) for e in ops])
+        # plain cpu ops are no launches, ranges of interest or device events
+        rest = [e for e in rest if e.cat != "cpu_op" or e.name in comm]
+        if not ev.has_stream:
+            ev.has_stream = any(e.args.stream >= 0 for e in dev) or any(
+                e.args.stream >= 0 for e in rest
+            )
+        launch = [e for e in rest if e.args.correlation >= 0 and e.args.stream < 0]
+        ev.launch_corr.extend([e.args.correlation for e in launch])
+        ev.launch_ts.extend(map(math.ceil, [e.ts for e in launch]))
+        ev.launch_tid.extend([str(e.tid) for e in launch])
+        if dev:
+            ev.dev_ts.extend(map(math.ceil, [e.ts for e in dev]))
+            ev.dev_end.extend(map(math.floor, [e.ts + e.dur for e in dev]))
+            ev.dev_name.extend([e.name for e in dev])
+            ev.dev_cat.extend([e.cat for e in dev])  # type: ignore[misc]
+            ev.dev_stream.extend([e.args.stream for e in dev])
+            ev.dev_corr.extend([e.args.correlation for e in dev])
+            ev.dev_info.extend([_info(e.args, True) for e in dev])
+            hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))]
+        else:
+            hs = []
+        hs += [e for e in rest if e.name in special]
+        if hs:
+            ev.host_ts.extend(map(math.ceil, [e.ts for e in hs]))
+            ev.host_end.extend(map(math.floor, [e.ts + e.dur for e in hs]))
+            ev.host_name.extend([e.name for e in hs])
+            ev.host_cat.extend([e.cat for e in hs])  # type: ignore[misc]
+            ev.host_tid.extend([str(e.tid) for e in hs])
+            ev.host_info.extend([_info(e.args, e.cat in gpu_cats or e.name in comm) for e in hs])
 
 
 def _info(a: _Args, dims: bool) -> tuple | None:
+    if a is _NO_ARGS:
+        return None
     has_comm = a.collective is not None or a.pg_name is not None
     has_dims = dims and len(a.input_dims) > 0
     if not (has_comm or has_dims):
@@ -312,20 +292,20 @@ def _structs_from_dicts(events: list[Any]) -> list[_Event]:
     """Slow path for files whose field types the typed decoder rejects."""
 
     def raw(v: Any) -> msgspec.Raw:
-        return msgspec.Raw() if v is None else msgspec.Raw(orjson.dumps(v))
+        return msgspec.Raw() if v is None else msgspec.Raw(msgspec.json.encode(v))
 
     structs = []
     for e in events:
         if not isinstance(e, dict):
             continue
         a = e.get("args")
-        args = None
+        args = _NO_ARGS
         if isinstance(a, dict):
             pg = a.get("Process Group Name")
+            stream = a.get("stream")
             args = _Args(
-                external_id=a.get("External id"),
-                correlation=a.get("correlation"),
-                stream=a.get("stream") if isinstance(a.get("stream"), (int, float, str)) else None,
+                correlation=_int(a.get("correlation")),  # type: ignore[arg-type]
+                stream=_int(stream if isinstance(stream, (int, float, str)) else None),  # type: ignore[arg-type]
                 collective=str(a["Collective name"]) if "Collective name" in a else None,
                 in_nelems=a.get("In msg nelems"),
                 out_nelems=a.get("Out msg nelems"),
@@ -344,74 +324,54 @@ def _structs_from_dicts(events: list[Any]) -> list[_Event]:
                 cat=e.get("cat"),
                 name=str(e.get("name", "")),
                 tid=e.get("tid") if isinstance(e.get("tid"), (int, float, str)) else None,
-                ts=e.get("ts"),
-                dur=e.get("dur"),
+                ts=_float(e.get("ts")),
+                dur=_float(e.get("dur")),
                 args=args,
             )
         )
     return structs
 
 
+def _float(v: Any) -> float:
+    if v is None or isinstance(v, bool):
+        return math.nan
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 _SEP = b"\n  },\n  {"
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _ARRAY_END = re.compile(rb"\n  \}\s*\]|^\s*\]")
-_PIECE = 1 << 20
-_DONE = object()
-
-
-def _read_chunks(path: Path, out: queue.Queue) -> None:
-    """Producer: the decompressed bytes of a trace in pieces of about ``_PIECE`` bytes
-    (then ``_DONE``, or the exception that stopped it)."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(2)
-            fh.seek(0)
-            if head == b"\x1f\x8b":
-                d = zlib.decompressobj(wbits=31)
-                while True:
-                    comp = fh.read(_PIECE // 4)
-                    if not comp:
-                        break
-                    try:
-                        piece = d.decompress(comp, _PIECE)
-                        while piece:
-                            out.put(piece)
-                            tail = d.unconsumed_tail
-                            piece = d.decompress(tail, _PIECE) if tail else b""
-                    except zlib.error as exc:
-                        raise TraceError(f"corrupt gzip: {exc}") from exc
-                    if d.eof:
-                        break
-                if not d.eof:
-                    raise TraceError("truncated gzip stream")
-            else:
-                while chunk := fh.read(_PIECE):
-                    out.put(chunk)
-        out.put(_DONE)
-    except BaseException as exc:  # handed to the consumer
-        out.put(exc)
+#: small pieces: their buffers and objects are recycled by the allocators instead of being
+#: mapped and unmapped (page faults cost more than the extra decode calls)
+_PIECE = 1 << 16
 
 
 def _iter_plain(path: Path) -> Iterator[bytes]:
-    """The decompressed bytes of a trace, produced by a background thread (zlib drops the
-    GIL while inflating, so decompression overlaps with decoding on another core)."""
-    q: queue.Queue = queue.Queue(maxsize=4)
-    t = threading.Thread(target=_read_chunks, args=(path, q), daemon=True)
-    t.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        # drain so that a producer blocked on a full queue can finish
-        while t.is_alive():
-            with contextlib.suppress(queue.Empty):
-                q.get(timeout=0.05)
-        t.join()
+    """The decompressed bytes of a trace in pieces of about ``_PIECE`` bytes."""
+    with open(path, "rb") as fh:
+        head = fh.read(2)
+        fh.seek(0)
+        if head != b"\x1f\x8b":
+            while chunk := fh.read(_PIECE):
+                yield chunk
+            return
+        d = zlib.decompressobj(wbits=31)
+        while comp := fh.read(_PIECE // 4):
+            try:
+                piece = d.decompress(comp, _PIECE)
+                while piece:
+                    yield piece
+                    tail = d.unconsumed_tail
+                    piece = d.decompress(tail, _PIECE) if tail else b""
+            except zlib.error as exc:
+                raise TraceError(f"corrupt gzip: {exc}") from exc
+            if d.eof:
+                break
+        if not d.eof:
+            raise TraceError("truncated gzip stream")
 
 
 def _stream_events(path: Path, sorter: _Sorter) -> bytes:
@@ -466,19 +426,34 @@ def _read_bytes(path: Path) -> bytes:
     return data
 
 
-def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
-    """Parse one trace file; raises :class:`TraceError` naming what is wrong with it."""
-    cfg = cfg or TraceConfig()
-    p = Path(path)
-    warnings: list[str] = []
-    sorter = _Sorter(cfg)
+def _pretty_printed(path: Path) -> bool:
+    """Whether the file is laid out as Kineto writes it (one field group per line), so
+    that its events can be cut apart at ``_SEP`` without parsing."""
+    with open(path, "rb") as fh:
+        head = fh.read(1 << 16)
+    if head[:2] == b"\x1f\x8b":
+        try:
+            head = zlib.decompressobj(wbits=31).decompress(head, 1 << 18)
+        except zlib.error:
+            return True  # let the streaming path name the problem
+    return _SEP in head or len(head) < (1 << 16) and b'"traceEvents"' not in head
+
+
+def _parse(p: Path, cfg: TraceConfig, cpu_ops: bool) -> tuple[Events, Any, Any]:
+    sorter = _Sorter(cfg, cpu_ops)
     try:
-        doc = _DECODER.decode(_stream_events(p, sorter))
-        dist = doc.distributedInfo or {}
-        device_props = doc.deviceProperties or []
+        if _pretty_printed(p):
+            doc = _DECODER.decode(_stream_events(p, sorter))
+        else:  # compact JSON: one typed decode of the whole document
+            doc = _DECODER.decode(_read_bytes(p))
+            sorter.add(doc.traceEvents)
+            doc.traceEvents = []
+        return sorter.ev, doc.distributedInfo or {}, doc.deviceProperties or []
     except (msgspec.DecodeError, msgspec.ValidationError, TraceError) as first:
-        # not in Kineto's layout, odd field types, or really broken: whole-file slow path
-        sorter = _Sorter(cfg)
+        # odd field types, or really broken: whole-file slow path
+        import orjson  # only for files off the fast path
+
+        sorter = _Sorter(cfg, cpu_ops)
         try:
             data = _read_bytes(p)
             raw_doc = orjson.loads(data)
@@ -489,11 +464,39 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
         del data
         if not isinstance(raw_doc, dict) or not isinstance(raw_doc.get("traceEvents"), list):
             raise TraceError(f"not a Kineto trace ({first})") from None
-        dist = raw_doc.get("distributedInfo") or {}
-        device_props = raw_doc.get("deviceProperties") or []
         sorter.add(_structs_from_dicts(raw_doc["traceEvents"]))
-        del raw_doc
-    events = sorter.ev
+        return (
+            sorter.ev,
+            raw_doc.get("distributedInfo") or {},
+            raw_doc.get("deviceProperties") or [],
+        )
+
+
+def _parse_any(p: Path, cfg: TraceConfig) -> tuple[Events, Any, Any]:
+    events, dist, device_props = _parse(p, cfg, cpu_ops=False)
+    if not len(events.dev_ts) and not any(
+        n.startswith("titan/microbatch/") for n in events.host_name
+    ):
+        # a CPU-only trace without Titan's ranges: its compute stream is the plain CPU
+        # ops, which GPU traces never need; read it again keeping them (such files are small)
+        events, dist, device_props = _parse(p, cfg, cpu_ops=True)
+    return events, dist, device_props
+
+
+def parse_file(path: str | Path, cfg: TraceConfig | None = None) -> RankTrace:
+    """Parse one trace file; raises :class:`TraceError` naming what is wrong with it."""
+    cfg = cfg or TraceConfig()
+    p = Path(path)
+    warnings: list[str] = []
+    # parsing allocates hundreds of thousands of objects and frees none of them in
+    # cycles: the cyclic GC would only rescan the growing columns over and over
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        events, dist, device_props = _parse_any(p, cfg)
+    finally:
+        if gc_was:
+            gc.enable()
     rank = _int(dist.get("rank"), None) if isinstance(dist, dict) else None
     if rank is None:
         m = _RANK_IN_NAME.search(p.name)
@@ -543,6 +546,8 @@ _CACHE_DEC = msgspec.msgpack.Decoder()
 
 
 def cache_key(path: str | Path) -> str:
+    import hashlib
+
     p = Path(path).resolve()
     st = p.stat()
     key = f"{CACHE_VERSION}|{p}|{st.st_mtime_ns}|{st.st_size}"
@@ -555,6 +560,8 @@ def load_cached(
     """:func:`parse_file` through the parse cache (when ``cache_dir`` is given)."""
     if cache_dir is None:
         return parse_file(path, cfg)
+    import hashlib
+
     cfg_key = hashlib.sha1(json.dumps(cfg.to_dict() if cfg else {}, sort_keys=True).encode())
     key = cache_key(path) + cfg_key.hexdigest()[:8]
     target = Path(cache_dir) / f"{key}.msgpack"
@@ -572,7 +579,7 @@ def load_cached(
             pass
     rt = parse_file(path, cfg)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_bytes(
         _CACHE_ENC.encode(
             {
