@@ -11,6 +11,7 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from titan_core.trace import intervals as iv
@@ -82,19 +83,22 @@ def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
             first[c] = (t, tid)
         elif t < cur[0]:
             first[c] = (t, cur[1])  # earliest start, thread of the first in file order
-    kind_of: dict[str, int] = {}
-    for n in set(ev.dev_name):
-        kind_of[n] = KIND_CODE[cfg.kernel_kind(n)]
-    order = sorted(range(len(ev.dev_ts)), key=ev.dev_ts.__getitem__)
-    dts, dend, dname, dinfo, dcorr = ev.dev_ts, ev.dev_end, ev.dev_name, ev.dev_info, ev.dev_corr
-    launches = [first.get(dcorr[i]) for i in order]
-    names = [dname[i] for i in order]
+    kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(ev.dev_name)}
+    # stable sort by start: ties keep file order
+    rows = sorted(
+        zip(ev.dev_ts, ev.dev_end, ev.dev_name, ev.dev_info, ev.dev_corr, strict=True),
+        key=itemgetter(0),
+    )
+    if not rows:
+        return GpuEvents([], [], [], [], [], [], [])
+    ts, end, names, info, corr = (list(c) for c in zip(*rows, strict=True))
+    launches = [first.get(c) for c in corr]
     return GpuEvents(
-        ts=[dts[i] for i in order],
-        end=[dend[i] for i in order],
+        ts=ts,
+        end=end,
         name=names,
         kind=[kind_of[n] for n in names],
-        info=[dinfo[i] for i in order],
+        info=info,
         launch_ts=[None if x is None else x[0] for x in launches],
         launch_tid=[None if x is None else x[1] for x in launches],
     )
@@ -104,11 +108,6 @@ def profiler_steps(ev: Events) -> list[tuple[int, int, int]]:
     """(step number, start, end) of the ``ProfilerStep#N`` ranges, in time order."""
     out = []
     for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
-        if name.startswith("ProfilerStep"):
-            m = _STEP_RE.match(name)
-            if m:
-                out.append((int(m.group(1)), ts, end))
-    for name, ts, end in zip(ev.dev_name, ev.dev_ts, ev.dev_end, strict=True):
         if name.startswith("ProfilerStep"):
             m = _STEP_RE.match(name)
             if m:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, fields
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,7 @@ _COLL_RE = re.compile(
 )
 
 
+@lru_cache(maxsize=8192)
 def collective_from_kernel(name: str) -> tuple[str, str]:
     """(collective, algorithm) from a comm kernel name such as
     ``ncclKernel_AllReduce_RING_LL_Sum_float(...)`` or ``ncclDevKernel_AllGather_RING_LL``."""
@@ -144,6 +146,7 @@ def collective_from_kernel(name: str) -> tuple[str, str]:
     return coll, algo
 
 
+@lru_cache(maxsize=8192)
 def normalize_collective(name: str) -> str:
     """Canonical collective name: ``nccl:all_reduce``/``allreduce``/``AllReduce`` -> ``allreduce``."""
     n = name.split(":", 1)[-1].lower().strip("_")

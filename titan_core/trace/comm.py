@@ -14,6 +14,7 @@ import math
 import re
 from bisect import bisect_right
 from dataclasses import dataclass, field
+from functools import lru_cache
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -60,13 +61,17 @@ class CommOp:
 
 
 def _ranks(text: str | None) -> list[int] | None:
-    if not text:
-        return None
+    r = _ranks_cached(text) if text else None
+    return None if r is None else list(r)
+
+
+@lru_cache(maxsize=4096)
+def _ranks_cached(text: str) -> tuple[int, ...] | None:
     try:
         val = json.loads(text)
         if isinstance(val, str):
             val = json.loads(val)
-        return [int(x) for x in val] if isinstance(val, list) else None
+        return tuple(int(x) for x in val) if isinstance(val, list) else None
     except (ValueError, TypeError):
         return None
 
@@ -88,6 +93,7 @@ def _nbytes(row: dict[str, Any], coll: str) -> int:
     return int(n or 0) * dtype_bytes(dtype)
 
 
+@lru_cache(maxsize=8192)
 def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
     m = _PEER_RE.search(name)
     if m:

@@ -81,9 +81,15 @@ def replay(
     cause: dict[tuple[int, int], tuple[int, int]] = {}
     ptr = {r: 0 for r in seqs}
     pending = set(r for r in seqs if seqs[r])
+    # event-driven: a rank blocked on a key waits until all of its members have arrived
+    missing = {k: len(m) for k, m in members.items()}
+    waiters: dict[Key, list[int]] = defaultdict(list)
+    work = [r for r in seqs if seqs[r]]
     while pending:
-        progressed = False
-        for r in list(pending):
+        while work:
+            r = work.pop()
+            if r not in pending:
+                continue
             ops, sc = seqs[r], scale.get(r, 1.0)
             while ptr[r] < len(ops):
                 j = ptr[r]
@@ -96,32 +102,32 @@ def replay(
                     else:
                         base = arrive[(r, j - 1)]
                     arrive[(r, j)] = base + op.work * sc
+                    for k in op.keys:
+                        missing[k] -= 1
+                        if missing[k] == 0:
+                            work.extend(waiters.pop(k, ()))
+                blocker = next((k for k in op.keys if missing[k] > 0), None)
+                if blocker is not None:
+                    waiters[blocker].append(r)
+                    break
                 ready, who = arrive[(r, j)], (r, j)
-                blocked = False
                 for k in op.keys:
                     for m in members[k]:
-                        if m not in arrive:
-                            blocked = True
-                            break
                         if arrive[m] > ready:
                             ready, who = arrive[m], m
-                    if blocked:
-                        break
-                if blocked:
-                    break
                 d = max((kdur[k] for k in op.keys), default=op.e - op.s)
                 done[(r, j)] = ready + d
                 cause[(r, j)] = who
                 ptr[r] += 1
-                progressed = True
             if ptr[r] >= len(ops):
                 pending.discard(r)
-        if not progressed:
+        if pending:
             # inconsistent matching (ops missing on some member): release the earliest one
             r = min(pending, key=lambda x: arrive.get((x, ptr[x]), float("inf")))
             j = ptr[r]
             op = seqs[r][j]
             op.keys = []
+            work.append(r)
     ends = {}
     for r, ops in seqs.items():
         lo, hi = bounds[r]
