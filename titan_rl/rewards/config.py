@@ -1,0 +1,72 @@
+"""Typed config of the reward (YAML section ``reward``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from titan_core.config import Section
+
+#: end-of-text markers an exact-match answer is cut at (besides the first newline).
+DEFAULT_STOP_STRINGS = ["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<eos>"]
+
+
+class RewardConfig(Section):
+    """How a response is scored against its label.
+
+    exact_match: the response's first line (cut at any of ``stop_strings``), stripped, equals
+    the stripped label (the arithmetic default). math_verify: a ``\\boxed{}`` answer, else a
+    final "answer is X", else the last number, compared to the label with math-verify.
+    custom: ``custom_path = "module:function"`` (or ``"path/to/file.py:function"``) called as
+    ``fn(prompt, response, label, metadata) -> float | dict`` (a dict carries ``"score"``).
+    ``format_reward`` is added to the score of a well-formed response: one matching
+    ``format_pattern`` (``re.search``, DOTALL) or, without a pattern, one whose answer could
+    be extracted. Use a negative weight with a pattern that matches bad output for a penalty.
+    """
+
+    type: Literal["exact_match", "math_verify", "custom"] = "exact_match"
+    custom_path: str | None = None
+    format_reward: float = 0.0
+    format_pattern: str | None = None
+    stop_strings: list[str] = Field(default_factory=lambda: list(DEFAULT_STOP_STRINGS))
+    #: math-verify: seconds allowed per parse / comparison before the sample scores 0.
+    timeout_s: float = Field(5.0, gt=0.0)
+
+    @field_validator("format_pattern")
+    @classmethod
+    def _check_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"reward.format_pattern is not a valid regex: {e}") from None
+        return v
+
+    @field_validator("custom_path")
+    @classmethod
+    def _check_custom_path(cls, v: str | None) -> str | None:
+        if v is not None:
+            from titan_rl.rewards.custom import load_custom_reward
+
+            load_custom_reward(v)  # raises ValueError naming reward.custom_path
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        if self.type == "custom" and self.custom_path is None:
+            raise ValueError(
+                "reward.custom_path is required when reward.type is 'custom' "
+                "(e.g. reward.custom_path=my_pkg.rewards:score)"
+            )
+        if self.type != "custom" and self.custom_path is not None:
+            raise ValueError(
+                f"reward.custom_path is set but reward.type is {self.type!r}; "
+                "set reward.type=custom to use it"
+            )
+        if self.type == "custom" and self.format_reward != 0.0 and self.format_pattern is None:
+            raise ValueError(
+                "reward.format_pattern is required for reward.format_reward with a custom reward"
+            )
+        return self

@@ -1,0 +1,132 @@
+"""Score responses: exact match, math-verify or a custom function, plus a format reward."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from titan_rl.rewards.config import RewardConfig
+from titan_rl.rewards.custom import load_custom_reward
+from titan_rl.rewards.math_answer import math_reward
+
+
+def first_line_answer(response: str, stop_strings: Sequence[str] = ()) -> str:
+    """The response cut at the first stop string, then its first non-blank line, stripped."""
+    cut = len(response)
+    for s in stop_strings:
+        i = response.find(s) if s else -1
+        if i != -1:
+            cut = min(cut, i)
+    return response[:cut].strip().split("\n", 1)[0].strip()
+
+
+def exact_match(response: str, label: str, stop_strings: Sequence[str] = ()) -> bool:
+    """The first line of the response equals the label (both stripped)."""
+    return first_line_answer(response, stop_strings) == str(label).strip()
+
+
+@dataclass
+class RewardResult:
+    """One sample's score and what it was made of (for metrics such as accuracy)."""
+
+    score: float
+    #: the answer was right (None for a custom reward that does not say).
+    correct: bool | None
+    well_formed: bool | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _field(sample: Any, name: str, default: Any = None) -> Any:
+    if isinstance(sample, Mapping):
+        return sample.get(name, default)
+    return getattr(sample, name, default)
+
+
+class RewardScorer:
+    """Scores samples under a :class:`RewardConfig`; one instance per process, reusable."""
+
+    def __init__(self, cfg: RewardConfig) -> None:
+        self.cfg = cfg
+        self._pattern = re.compile(cfg.format_pattern, re.DOTALL) if cfg.format_pattern else None
+        self._custom = load_custom_reward(cfg.custom_path) if cfg.type == "custom" else None
+
+    def score_one(
+        self, prompt: str, response: str, label: Any, metadata: dict | None = None
+    ) -> RewardResult:
+        cfg = self.cfg
+        label_s = "" if label is None else str(label)
+        extra: dict[str, Any] = {}
+        if self._custom is not None:
+            out = self._custom(prompt, response, label_s, dict(metadata or {}))
+            if isinstance(out, Mapping):
+                key = "score" if "score" in out else "reward" if "reward" in out else None
+                if key is None:
+                    raise ValueError(
+                        f"custom reward {cfg.custom_path} returned a dict without 'score': "
+                        f"{sorted(out)}"
+                    )
+                extra = {k: v for k, v in out.items() if k != key}
+                base = float(out[key])
+                correct = extra.get("correct", extra.get("acc"))
+                correct = None if correct is None else bool(correct)
+            else:
+                base = float(out)
+                correct = None
+            well_formed = None
+        elif cfg.type == "exact_match":
+            answer = first_line_answer(response, cfg.stop_strings)
+            correct = label is not None and answer == label_s.strip()
+            well_formed = bool(answer)
+            base = float(correct)
+        else:
+            correct, well_formed = (
+                math_reward(response, label_s, cfg.timeout_s)
+                if label is not None
+                else (False, False)
+            )
+            base = float(correct)
+        if self._pattern is not None:
+            well_formed = self._pattern.search(response) is not None
+        score = base
+        if cfg.format_reward != 0.0 and well_formed:
+            score += cfg.format_reward
+        return RewardResult(score=score, correct=correct, well_formed=well_formed, extra=extra)
+
+    def score_details(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[Any],
+        metadatas: Sequence[dict | None] | None = None,
+    ) -> list[RewardResult]:
+        if not len(prompts) == len(responses) == len(labels):
+            raise ValueError(
+                f"{len(prompts)} prompts, {len(responses)} responses and {len(labels)} labels"
+            )
+        metas = metadatas if metadatas is not None else [None] * len(prompts)
+        return [
+            self.score_one(p, r, lab, m)
+            for p, r, lab, m in zip(prompts, responses, labels, metas, strict=True)
+        ]
+
+    def score_batch(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        labels: Sequence[Any],
+        metadatas: Sequence[dict | None] | None = None,
+    ) -> list[float]:
+        """Scores of parallel lists of prompts, responses, labels (and metadata dicts)."""
+        return [r.score for r in self.score_details(prompts, responses, labels, metadatas)]
+
+    def score(self, samples: Sequence[Any]) -> list[float]:
+        """Scores of samples with ``prompt``, ``response``, ``label``, ``metadata`` (attributes
+        or mapping keys)."""
+        return self.score_batch(
+            [_field(s, "prompt", "") for s in samples],
+            [_field(s, "response", "") for s in samples],
+            [_field(s, "label") for s in samples],
+            [_field(s, "metadata") for s in samples],
+        )
