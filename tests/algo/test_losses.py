@@ -145,6 +145,15 @@ def test_microbatches_with_global_counts_sum_to_full_batch(mode: str):
     torch.testing.assert_close(lp_mb.grad, lp_full.grad)
 
 
+def test_global_count_must_match_the_mode():
+    with pytest.raises(ValueError, match="needs total_seqs"):
+        aggregate(X, XMASK, "seq_mean_token_mean", total_tokens=4.0)
+    with pytest.raises(ValueError, match="needs total_tokens"):
+        aggregate(X, XMASK, "token_mean", total_seqs=2)
+    # the unused count may be given too
+    assert aggregate(X, XMASK, "token_mean", total_tokens=8.0, total_seqs=2).item() == 1.25
+
+
 def test_kl_penalty_kinds():
     lp = torch.tensor([-1.0, -2.0])
     ref = torch.tensor([-1.5, -1.0])

@@ -18,6 +18,8 @@ KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 class AlgoConfig(Section):
     """Advantage estimator and policy-loss settings (slime/verl names and conventions)."""
 
+    #: dr_grpo drops the std and is meant to pair with loss_agg_mode seq_mean_token_sum;
+    #: gspo uses grpo advantages with a sequence-level ratio in the loss.
     advantage_estimator: AdvantageEstimator = "grpo"
     #: grpo/gspo: divide the group-centred reward by the group std (False: Dr. GRPO-like).
     normalize_advantage_std: bool = True

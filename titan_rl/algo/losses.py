@@ -52,6 +52,10 @@ def aggregate(
     ``total_tokens`` / ``total_seqs`` replace the local denominators with global-batch counts so
     that summing the results of all microbatches and data-parallel ranks gives the global value.
     """
+    if mode == "token_mean" and total_tokens is None and total_seqs is not None:
+        raise ValueError("loss_agg_mode token_mean needs total_tokens, got only total_seqs")
+    if mode != "token_mean" and total_seqs is None and total_tokens is not None:
+        raise ValueError(f"loss_agg_mode {mode} needs total_seqs, got only total_tokens")
     m = mask.to(x.dtype)
     if mode == "token_mean":
         denom = total_tokens if total_tokens is not None else m.sum().clamp(min=1.0)
