@@ -61,6 +61,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
             lines.append(f"{key}: unknown key (check the spelling; see the config reference)")
+        elif e["type"] == "value_error":  # a validator's own message names its keys
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(msg if key == "<root>" else f"{key}: {msg}")
         else:
             got = e.get("input")
             shown = "" if isinstance(got, dict) else f" (got {got!r})"

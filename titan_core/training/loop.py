@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from functools import partial
 from pathlib import Path
@@ -20,10 +21,12 @@ from megatron.core.transformer.module import Float16Module
 
 from titan_core.accelerator import Accelerator
 from titan_core.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from titan_core.checkpoint.dist import unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
 from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.training.annotate import MicrobatchAnnotator
 from titan_core.training.metrics import MetricsWriter, format_status
 from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_core.training.profiling import StepProfiler
@@ -71,7 +74,7 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):  # noqa: AN
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def make_forward_step(device: torch.device):  # noqa: ANN201
+def make_forward_step(device: torch.device, annotator: MicrobatchAnnotator):  # noqa: ANN201
     def forward_step(data_iterator, model, return_schedule_plan: bool = False):  # noqa: ANN001, ANN202
         batch = next(data_iterator)
         tokens = batch["tokens"].to(device, non_blocking=True)
@@ -84,9 +87,9 @@ def make_forward_step(device: torch.device):  # noqa: ANN201
                 tokens, position_ids, None, labels=labels, loss_mask=loss_mask
             )
             return plan, partial(loss_func, loss_mask)
-        vp = getattr(model, "vp_stage", None)
-        with torch.profiler.record_function(f"titan/microbatch/fwd/vs{vp or 0}"):
+        with annotator.forward(getattr(unwrap(model), "vp_stage", None) or 0) as bwd_name:
             output = model(tokens, position_ids, None, labels=labels)
+            output = annotator.wrap_output(output, bwd_name)
         return output, partial(loss_func, loss_mask)
 
     return forward_step
@@ -125,6 +128,7 @@ class Trainer:
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         configure_schedule_hooks(self.tf, self.model, self.optimizer)
+        self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
         self.run_dir = Path(cfg.run.dir)
         self.save_dir = Path(cfg.checkpoint.save or self.run_dir / "checkpoints")
         self.step = 0
@@ -193,16 +197,22 @@ class Trainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=make_forward_step(self.accel.device()),
-            data_iterator=data_iterator,
-            model=self.model if len(self.model) > 1 else self.model[0],
-            num_microbatches=self.num_microbatches,
-            seq_length=self.cfg.model.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            decoder_seq_length=self.cfg.model.seq_length,
-            forward_only=False,
+        schedule_range = (
+            torch.profiler.record_function("titan/schedule")
+            if self.annotator.active
+            else contextlib.nullcontext()
         )
+        with schedule_range:
+            losses = get_forward_backward_func()(
+                forward_step_func=make_forward_step(self.accel.device(), self.annotator),
+                data_iterator=data_iterator,
+                model=self.model if len(self.model) > 1 else self.model[0],
+                num_microbatches=self.num_microbatches,
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                decoder_seq_length=self.cfg.model.seq_length,
+                forward_only=False,
+            )
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=t.global_batch_size)
@@ -224,7 +234,7 @@ class Trainer:
             self._say(f"nothing to do: already at step {self.step} of {t.train_iters}")
         try:
             for self.step in range(self.step + 1, t.train_iters + 1):  # noqa: B020
-                with profiler.step(self.step):
+                with profiler.step(self.step), self.annotator.step(profiler.active(self.step)):
                     self.accel.synchronize()
                     start = time.perf_counter()
                     loss, grad_norm = self.train_step(data)

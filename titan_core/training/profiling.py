@@ -2,7 +2,8 @@
 
 Traces land in ``<run.dir>/traces/rank{R}.step{S}.json`` and are what
 ``python -m titan_core.trace analyze`` reads; microbatch forwards carry
-``titan/microbatch/fwd/vs{V}`` ranges, so pipeline analysis needs no guessing.
+``titan/microbatch/{fwd|bwd}/mb{M}/vs{V}`` ranges (see ``annotate.py``), so pipeline
+analysis needs no guessing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class StepProfiler:
         self.dir = Path(cfg.profile.dir or Path(cfg.run.dir) / "traces")
         self.rank = rank
         self.with_stack = cfg.profile.with_stack
+
+    def active(self, step: int) -> bool:
+        return step in self.steps
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:

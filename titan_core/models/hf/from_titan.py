@@ -1,0 +1,51 @@
+"""The HF config (Llama architecture) of a Titan-native dense GPT, for export to HF engines.
+
+Titan's default GPT (RMSNorm, SwiGLU, RoPE, no biases) is a Llama; this writes the
+config.json an HF-speaking engine (the built-in one, SGLang) needs to load its weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_core.config.loader import ConfigError
+from titan_core.config.pretrain import ModelConfig
+
+
+def llama_config_for(model: ModelConfig, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:
+    """A transformers ``LlamaConfig`` dict with the same shapes and numerics as ``model``."""
+    problems = []
+    if model.num_moe_experts:
+        problems.append("MoE (export a Qwen3-MoE checkpoint loaded from HF instead)")
+    if model.normalization != "RMSNorm" or not model.swiglu or model.add_bias_linear:
+        problems.append("only RMSNorm + SwiGLU without biases is a Llama")
+    if model.position_embedding_type != "rope":
+        problems.append("only RoPE position embeddings are a Llama")
+    if model.qk_layernorm or model.add_qkv_bias:
+        problems.append("qk_layernorm / qkv bias are not Llama (use a Qwen checkpoint)")
+    if problems:
+        raise ConfigError("cannot export this model as HF Llama: " + "; ".join(problems))
+    heads = model.num_attention_heads
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.ffn_hidden_size or 4 * model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": model.num_query_groups or heads,
+        "head_dim": model.kv_channels or model.hidden_size // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings or model.seq_length,
+        "rms_norm_eps": model.norm_epsilon,
+        "rope_theta": model.rotary_base,
+        "tie_word_embeddings": not model.untie_embeddings_and_output_weights,
+        "vocab_size": vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": model.init_method_std,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }

@@ -1,0 +1,144 @@
+"""Prompt sources for RL: the generated arithmetic task, or JSONL / Parquet files.
+
+File rows missing ``data.prompt_key`` or ``data.label_key`` are skipped and counted (the
+count is shown), never a crash deep in a rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titan_core.data.arithmetic import generate_problems
+from titan_rl.config import RLDataConfig
+
+
+class DatasetError(ValueError):
+    """The dataset file cannot be used; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    label: str
+    metadata: dict[str, Any]
+
+
+@dataclass
+class PromptSet:
+    prompts: list[Prompt]
+    skipped: int = 0
+    source: str = ""
+
+
+def _read_rows(path: str, kind: str) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"data.path {path} does not exist")
+    if kind == "parquet":
+        import polars as pl
+
+        return pl.read_parquet(p).to_dicts()
+    import orjson
+
+    rows = []
+    for lineno, line in enumerate(p.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise DatasetError(f"{path}:{lineno}: not valid JSON ({e})") from None
+        rows.append(row if isinstance(row, dict) else {})
+    return rows
+
+
+def _prompt_text(value: Any, cfg: RLDataConfig, chat_template: Any) -> str | None:
+    if isinstance(value, list):  # chat messages
+        if chat_template is None:
+            return None
+        return chat_template(value)
+    if not isinstance(value, str):
+        return None
+    if chat_template is not None:
+        return chat_template([{"role": "user", "content": value}])
+    return value
+
+
+def _chat_template(cfg: RLDataConfig) -> Any:
+    if not cfg.apply_chat_template:
+        return None
+    if cfg.tokenizer_type != "hf":
+        raise DatasetError("data.apply_chat_template needs data.tokenizer_type=hf (a chat model)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.tokenizer_model)
+    return lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def load_file_prompts(path: str, cfg: RLDataConfig) -> PromptSet:
+    rows = _read_rows(path, cfg.type)
+    template = _chat_template(cfg)
+    out, skipped = [], 0
+    for row in rows:
+        text = _prompt_text(row.get(cfg.prompt_key), cfg, template)
+        label = row.get(cfg.label_key)
+        if text is None or label is None:
+            skipped += 1
+            continue
+        meta = {k: v for k, v in row.items() if k not in (cfg.prompt_key, cfg.label_key)}
+        out.append(Prompt(text, str(label), meta))
+    if not out:
+        raise DatasetError(
+            f"{path}: no row has both {cfg.prompt_key!r} and {cfg.label_key!r}; set "
+            "data.prompt_key / data.label_key to your columns"
+        )
+    return PromptSet(out, skipped, path)
+
+
+def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = None) -> PromptSet:
+    """Training (``split="train"``) or held-out (``"eval"``) prompts."""
+    if cfg.type == "arithmetic":
+        count = num or (100_000 if split == "train" else cfg.num_eval)
+        probs = generate_problems(count, cfg.num_digits, seed=seed, split=split)
+        return PromptSet([Prompt(p.prompt, p.answer, {}) for p in probs], 0, "arithmetic")
+    path = cfg.path if split == "train" else (cfg.eval_path or cfg.path)
+    ps = load_file_prompts(path, cfg)
+    if split == "eval":
+        ps.prompts = ps.prompts[: cfg.num_eval]
+    return ps
+
+
+class PromptSampler:
+    """Epoch-wise shuffled prompts from a seed; the position is saved for exact resume."""
+
+    def __init__(self, prompts: list[Prompt], seed: int) -> None:
+        self.prompts = prompts
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+        self._order = self._perm()
+
+    def _perm(self) -> np.ndarray:
+        return np.random.default_rng(self.seed + self.epoch).permutation(len(self.prompts))
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = self._perm()
+            out.append(self.prompts[int(self._order[self.offset])])
+            self.offset += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def restore(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._order = self._perm()

@@ -1,0 +1,30 @@
+"""reward.png: reward and eval accuracy against step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot_rewards(records: list[dict[str, Any]], out: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records if "reward/mean" in r]
+    rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
+    evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    ax.plot(steps, rewards, color="tab:blue", alpha=0.8, label="reward (train, mean)")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", color="tab:red", label="eval accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title("GRPO")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)

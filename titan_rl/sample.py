@@ -1,0 +1,41 @@
+"""``Sample``: the one contract between rollout and training (slime's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Status(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class Sample:
+    """One prompt's response: tokens, logprobs the engine reported, reward, bookkeeping."""
+
+    group_index: int
+    index: int
+    prompt: str
+    prompt_tokens: list[int]
+    label: str
+    response: str = ""
+    response_tokens: list[int] = field(default_factory=list)
+    rollout_log_probs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    status: Status = Status.PENDING
+    weight_version: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_tokens)

@@ -1,0 +1,50 @@
+"""Pack ``Sample``s into the padded tensors the trainer consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from titan_rl.sample import Sample
+
+
+@dataclass
+class RLBatch:
+    """Row i = prompt + response of sample i, right-padded. Per-token fields are aligned with
+    ``labels = tokens[:, 1:]``: position t scores token t+1."""
+
+    tokens: torch.Tensor  # [B, L] int64
+    response_mask: torch.Tensor  # [B, L-1] float (1 on response tokens)
+    rollout_logprobs: torch.Tensor  # [B, L-1] float (0 off the response)
+    rewards: torch.Tensor  # [B]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, lo: int, hi: int) -> RLBatch:
+        return RLBatch(
+            self.tokens[lo:hi],
+            self.response_mask[lo:hi],
+            self.rollout_logprobs[lo:hi],
+            self.rewards[lo:hi],
+        )
+
+
+def pack_samples(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> RLBatch:
+    length = max(len(s.tokens) for s in samples)
+    length = -(-length // pad_to_multiple) * pad_to_multiple
+    n = len(samples)
+    tokens = torch.full((n, length), pad_id, dtype=torch.long)
+    mask = torch.zeros(n, length - 1)
+    rollout = torch.zeros(n, length - 1)
+    for i, s in enumerate(samples):
+        seq = s.tokens
+        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        p, r = len(s.prompt_tokens), s.response_length
+        if r:
+            mask[i, p - 1 : p - 1 + r] = 1.0
+            if len(s.rollout_log_probs) == r:
+                rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    return RLBatch(tokens, mask, rollout, rewards)

@@ -1,0 +1,136 @@
+"""Ray actors running ``PolicyTrainer``: one process per Megatron rank, its own
+torch.distributed group, placed with a Ray placement group."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from titan_rl.config import GRPOConfig
+from titan_rl.trainer.batch import RLBatch
+
+
+class TrainerWorker:
+    """One Megatron rank (plain class; ``TrainerGroup`` makes it a Ray actor)."""
+
+    def __init__(
+        self, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int
+    ) -> None:
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        import torch
+
+        threads = cfg.pop("_torch_threads", None)
+        if threads:
+            torch.set_num_threads(int(threads))
+        from titan_rl.trainer.policy import PolicyTrainer
+
+        self.cfg = GRPOConfig.model_validate(cfg)
+        self.trainer = PolicyTrainer(self.cfg, world_size)
+        self.rank = rank
+        self.sync = None
+
+    def save_hf(self, path: str) -> None:
+        self.trainer.save_hf(path)
+
+    def connect_engines(self, urls: list[str], metrics_path: str | None) -> None:
+        from titan_core.checkpoint.dist import unwrap
+        from titan_core.training.metrics import MetricsWriter
+        from titan_rl.sync.sync import WeightSync
+
+        self._chunks = [unwrap(c) for c in self.trainer.model]
+        writer = MetricsWriter(metrics_path) if (metrics_path and self.rank == 0) else None
+        self.sync = WeightSync(
+            self.cfg.sync,
+            urls,
+            self.trainer.hf_config,
+            api_key=self.cfg.engines.api_key,
+            metrics=writer,
+            device=self.trainer.accel.device(),
+        )
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        if self.sync is None:
+            raise RuntimeError("connect_engines() first")
+        return self.sync.sync(self._chunks, step)
+
+    def train(self, batch: RLBatch) -> dict[str, float]:
+        return self.trainer.train(batch)
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        self.trainer.save(step, extra)
+
+    def resume(self) -> dict[str, Any] | None:
+        return self.trainer.resume()
+
+    def shutdown(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        self.trainer.shutdown()
+
+
+class TrainerGroup:
+    """Driver-side handle of the trainer actors; every call goes to all ranks."""
+
+    def __init__(self, cfg: GRPOConfig, torch_threads: int | None = None) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from titan_core.parallel.initialize import free_port
+
+        n = cfg.trainer_processes
+        self.pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
+        ray.get(self.pg.ready())
+        worker_cls = ray.remote(num_cpus=1)(TrainerWorker)
+        port = free_port()
+        payload = cfg.model_dump(mode="json", by_alias=True)
+        if torch_threads:
+            payload["_torch_threads"] = torch_threads
+        self.workers = [
+            worker_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.pg, placement_group_bundle_index=i
+                )
+            ).remote(dict(payload), i, n, "127.0.0.1", port)
+            for i in range(n)
+        ]
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        import ray
+
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def save_hf(self, path: str) -> None:
+        self._all("save_hf", path)
+
+    def connect_engines(self, urls: list[str], metrics_path: str | None) -> None:
+        self._all("connect_engines", urls, metrics_path)
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        return self._all("sync_weights", step)[0]
+
+    def train(self, batch: RLBatch) -> dict[str, float]:
+        return self._all("train", batch)[0]
+
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        self._all("save", step, extra)
+
+    def resume(self) -> dict[str, Any] | None:
+        return self._all("resume")[0]
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            self._all("shutdown")
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            remove_placement_group(self.pg)

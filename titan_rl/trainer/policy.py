@@ -1,0 +1,276 @@
+"""The Megatron policy trainer: one object per rank, the same training base as pretraining.
+
+It owns the megatron-core model chunks, DDP, optimizer and (optionally) a frozen reference
+model; computes old / reference logprobs with the forward-only schedule, advantages, and the
+policy update with megatron-core's ``get_forward_backward_func`` (so TP/PP/VPP/EP/DP layouts
+work as in pretraining), and exports HF weights bucket by bucket for weight sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from titan_core.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from titan_core.checkpoint.dist import unwrap
+from titan_core.config.loader import ConfigError
+from titan_core.data.tokenizer import build_tokenizer
+from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
+from titan_core.models.hf.from_titan import llama_config_for
+from titan_core.parallel.initialize import initialize
+from titan_core.training.loop import configure_schedule_hooks, wrap_model
+from titan_core.training.optim import build_optimizer, build_scheduler
+from titan_rl.algo.advantages import compute_advantages
+from titan_rl.algo.losses import policy_loss
+from titan_rl.config import GRPOConfig
+from titan_rl.trainer.batch import RLBatch
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(target) per position; vocab-parallel under TP (megatron's cross entropy)."""
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class PolicyTrainer:
+    def __init__(self, cfg: GRPOConfig, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.pcfg = cfg.pretrain_view(world_size)
+        self.accel, self.env, self.dp = initialize(self.pcfg)
+        self.rank = dist.get_rank()
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        if cfg.policy.format == "hf":
+            self.hf_config = read_hf_config(cfg.policy.load)
+            vocab = int(self.hf_config["vocab_size"])
+        else:
+            vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
+        self.vocab_size = padded_vocab_size(vocab, self.pcfg)
+        if cfg.policy.format == "titan":
+            self.hf_config = llama_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
+        if cfg.algo.entropy_coef and cfg.parallel.tensor_model_parallel_size > 1:
+            raise ConfigError("algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1")
+        self.tf = build_transformer_config(self.pcfg, self.accel)
+        chunks = build_model_chunks(self.pcfg, self.tf, self.vocab_size, self.accel)
+        self.model = wrap_model(self.pcfg, self.tf, chunks)
+        self.optimizer = build_optimizer(self.pcfg, self.model)
+        self.scheduler = build_scheduler(self.pcfg, self.optimizer)
+        configure_schedule_hooks(self.tf, self.model, self.optimizer)
+        self._load_policy(self.model)
+        self.ref_model = None
+        if cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward:
+            ref = build_model_chunks(self.pcfg, self.tf, self.vocab_size, self.accel)
+            self._load_policy(ref)
+            for chunk in ref:
+                chunk.eval().requires_grad_(False)
+            self.ref_model = ref
+        self.bridge = HFBridge(self.hf_config)
+        self.save_dir = Path(cfg.run.dir) / "checkpoints"
+
+    # ---- weights -------------------------------------------------------------------
+    def _load_policy(self, model: list) -> None:
+        p = self.cfg.policy
+        if p.format == "hf":
+            load_hf_weights([unwrap(c) for c in model], p.load)
+            return
+        it = latest_iteration(p.load)
+        if it is None:
+            raise FileNotFoundError(
+                f"policy.load {p.load} holds no complete Titan checkpoint; pretrain one with "
+                "python -m titan_core.pretrain or set policy.pretrain_config"
+            )
+        load_checkpoint(p.load, it, model, optimizer=None)
+
+    def export_hf(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full HF tensors on rank 0, bucket by bucket; every rank must iterate."""
+        return self.bridge.export([unwrap(c) for c in self.model], bucket_bytes, dst=0)
+
+    def save_hf(self, path: str | Path) -> None:
+        """An HF directory (config.json + model.safetensors) of the current policy."""
+        import json
+
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for bucket in self.export_hf(self.cfg.sync.bucket_bytes):
+            tensors.update({n: t.contiguous() for n, t in bucket})
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out / "model.safetensors.tmp"))
+            (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+            (out / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+        if dist.is_initialized():
+            dist.barrier()
+
+    # ---- checkpoints -----------------------------------------------------------------
+    def save(self, step: int, extra: dict[str, Any]) -> None:
+        common = {"step": step, "scheduler": self.scheduler.state_dict(), **extra}
+        save_checkpoint(self.save_dir, step, self.model, self.optimizer, common, keep_last=2)
+
+    def resume(self) -> dict[str, Any] | None:
+        it = latest_iteration(self.save_dir)
+        if it is None:
+            return None
+        common = load_checkpoint(self.save_dir, it, self.model, self.optimizer)
+        self.scheduler.load_state_dict(common["scheduler"])
+        return common
+
+    # ---- schedules -------------------------------------------------------------------
+    def _local_rows(self, batch: RLBatch) -> RLBatch:
+        n = len(batch)
+        per = n // self.dp
+        r = parallel_state.get_data_parallel_rank()
+        return batch.rows(r * per, (r + 1) * per)
+
+    def _microbatches(self, fields: dict[str, torch.Tensor]) -> tuple[list[Iterator], int]:
+        mbs = self.cfg.train.micro_batch_size
+        n = next(iter(fields.values())).shape[0]
+        num = max(1, n // mbs)
+        device = self.accel.device()
+
+        def gen() -> Iterator[dict[str, torch.Tensor]]:
+            for i in range(num):
+                yield {k: v[i * mbs : (i + 1) * mbs].to(device) for k, v in fields.items()}
+
+        return [gen() for _ in self.model], num
+
+    def _run(self, model: list, fields: dict, loss_fn, forward_only: bool) -> list[dict]:  # noqa: ANN001
+        its, num = self._microbatches(fields)
+        seq = fields["tokens"].shape[1]
+
+        def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
+            mb = next(data_iterator)
+            tokens = mb["tokens"]
+            pos = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+            logits = chunk(tokens, pos, None)
+            return logits, partial(loss_fn, mb, num)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=its if len(model) > 1 else its[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=num,
+            seq_length=seq,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    @torch.no_grad()
+    def logprobs(self, batch: RLBatch, reference: bool = False) -> torch.Tensor | None:
+        """Per-token logprobs of this DP rank's rows (None off the last pipeline stage)."""
+        model = self.ref_model if reference else self.model
+        if model is None:
+            return None
+
+        def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202
+            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:])
+            return lp.sum() * 0.0, {"logprobs": lp.detach().cpu()}
+
+        for chunk in model:
+            chunk.eval()
+        try:
+            rows = self._local_rows(batch)
+            out = self._run(model, {"tokens": rows.tokens}, loss_fn, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        if not out:
+            return None
+        return torch.cat([o["logprobs"] for o in out])
+
+    def train(self, batch: RLBatch) -> dict[str, float]:
+        """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics."""
+        cfg = self.cfg
+        rows = self._local_rows(batch)
+        old = self.logprobs(batch)
+        ref = self.logprobs(batch, reference=True)
+        is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        metrics: dict[str, float] = {}
+        if is_last:
+            kl = (old - ref) if (ref is not None and cfg.algo.use_kl_in_reward) else None
+            adv = compute_advantages(
+                rows.rewards, cfg.rollout.n_samples_per_prompt, rows.response_mask, cfg.algo, kl=kl
+            )
+            mask = rows.response_mask
+            metrics["train/rollout_logprob_abs_diff"] = float(
+                ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+            )
+        else:
+            adv = torch.zeros_like(rows.response_mask)
+            old = torch.zeros_like(rows.response_mask)
+        fields = {
+            "tokens": rows.tokens,
+            "mask": rows.response_mask,
+            "old": old,
+            "adv": adv,
+            "rollout": rows.rollout_logprobs,
+        }
+        if ref is not None:
+            fields["ref"] = ref
+        total_tokens = self._global_sum(rows.response_mask.sum())
+        total_seqs = float(len(batch))
+        scale = self.dp  # DDP averages gradients over data-parallel ranks: undo it
+
+        def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202
+            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:])
+            ent = token_entropy(logits[:, :-1]) if cfg.algo.entropy_coef else None
+            loss, m = policy_loss(
+                lp, mb["old"], mb["adv"], mb["mask"], cfg.algo,
+                rollout_logprobs=mb["rollout"], ref_logprobs=mb.get("ref"), entropy=ent,
+                total_tokens=total_tokens, total_seqs=total_seqs,
+            )  # fmt: skip
+            # the schedule divides by the number of microbatches: undo, as the loss is
+            # already normalized by the global token / sequence count
+            loss = loss * num * scale
+            return loss, {k: torch.tensor(float(v)) for k, v in m.items()}
+
+        for _ in range(cfg.ppo_steps):
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            out = self._run(self.model, fields, loss_fn, forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+            if ok:
+                self.scheduler.step(increment=len(batch))
+        if out:
+            for key in out[0]:
+                metrics[f"train/{key}"] = float(torch.stack([o[key] for o in out]).mean())
+        metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        return self._reduce_metrics(metrics)
+
+    def _global_sum(self, value: torch.Tensor) -> float:
+        t = value.detach().double().reshape(1)
+        if dist.is_initialized():
+            dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return float(t)
+
+    def _reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Metrics as the last stage's DP ranks saw them, averaged, on every rank."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return metrics
+        holder = [metrics if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None]
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, holder[0])
+        got = [g for g in gathered if g]
+        keys = set().union(*[g.keys() for g in got])
+        return {k: sum(g.get(k, 0.0) for g in got) / len(got) for k in keys}
+
+    def shutdown(self) -> None:
+        from titan_core.parallel.initialize import shutdown
+
+        with contextlib.suppress(Exception):
+            shutdown()
