@@ -61,40 +61,55 @@ def test_concurrent_requests_share_decode_steps(engine: ServerProcess) -> None:
     asyncio.run(main())
 
 
+async def _until_running(client: SGLangClient, n: int = 1, timeout_s: float = 30.0) -> None:
+    """Wait until the engine reports at least ``n`` running requests (slow CI machines)."""
+    deadline = time.monotonic() + timeout_s
+    while (await client.get_server_info())["num_running_reqs"] < n:
+        assert time.monotonic() < deadline, "request never reached the engine"
+        await asyncio.sleep(0.02)
+
+
 def test_pause_continue_and_abort(engine: ServerProcess) -> None:
     async def main() -> None:
         async with SGLangClient(engine.url) as client:
-            # in_place pause: a new request waits, then finishes after continue
-            await client.pause_generation("in_place")
-            task = asyncio.create_task(client.generate([3, 4], {"max_new_tokens": 5, **GREEDY}))
-            await asyncio.sleep(0.5)
-            assert not task.done()
-            assert (await client.get_server_info())["paused"] is True
-            await client.continue_generation()
-            out = await asyncio.wait_for(task, 20)
-            assert len(out.output_ids) == 5 and out.finish_type == "length"
-            # abort by rid: the running request ends with an abort finish reason
-            long = asyncio.create_task(
-                client.generate([3, 4], {"max_new_tokens": 250, **GREEDY}, rid="to-abort")
-            )
-            await asyncio.sleep(0.3)
-            await client.abort_request("to-abort")
-            res = await asyncio.wait_for(long, 20)
-            assert res.aborted and len(res.output_ids) < 250
-            # pause(abort) aborts what is running, then continue serves again
-            long = asyncio.create_task(client.generate([3, 4], {"max_new_tokens": 250, **GREEDY}))
-            await asyncio.sleep(0.3)
-            await client.pause_generation("abort")
-            assert (await asyncio.wait_for(long, 20)).aborted
-            await client.continue_generation()
+            try:
+                # in_place pause: a new request waits, then finishes after continue
+                await client.pause_generation("in_place")
+                task = asyncio.create_task(client.generate([3, 4], {"max_new_tokens": 5, **GREEDY}))
+                await _until_running(client)
+                await asyncio.sleep(0.3)
+                assert not task.done()
+                assert (await client.get_server_info())["paused"] is True
+                await client.continue_generation()
+                out = await asyncio.wait_for(task, 30)
+                assert len(out.output_ids) == 5 and out.finish_type == "length"
+                # abort by rid: the running request ends with an abort finish reason
+                long = asyncio.create_task(
+                    client.generate([3, 4], {"max_new_tokens": 250, **GREEDY}, rid="to-abort")
+                )
+                await _until_running(client)
+                await client.abort_request("to-abort")
+                res = await asyncio.wait_for(long, 30)
+                assert res.aborted and len(res.output_ids) < 250
+                # pause(abort) aborts what is running, then continue serves again
+                long = asyncio.create_task(
+                    client.generate([3, 4], {"max_new_tokens": 250, **GREEDY})
+                )
+                await _until_running(client)
+                await client.pause_generation("abort")
+                assert (await asyncio.wait_for(long, 30)).aborted
+            finally:
+                await client.continue_generation()
             assert (
                 len((await client.generate([3], {"max_new_tokens": 2, **GREEDY})).output_ids) == 2
             )
             # flush when idle, memory release / resume
             assert await client.flush_cache() is True
-            await client.release_memory_occupation()
-            assert (await client.get_server_info())["memory_released"] is True
-            await client.resume_memory_occupation(["weights", "kv_cache"])
+            try:
+                await client.release_memory_occupation()
+                assert (await client.get_server_info())["memory_released"] is True
+            finally:
+                await client.resume_memory_occupation(["weights", "kv_cache"])
             assert (
                 len((await client.generate([3], {"max_new_tokens": 2, **GREEDY})).output_ids) == 2
             )

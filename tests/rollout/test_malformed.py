@@ -60,6 +60,7 @@ CASES = [
     ("/generate", _sp(min_new_tokens=5), 400, "min_new_tokens"),
     ("/generate", _sp(json_schema="{}"), 400, "not supported"),
     ("/generate", _sp(logit_bias={"abc": 1.0}), 400, "logit_bias"),
+    ("/generate", _sp(logit_bias={"5": 1e300}, temperature=0.5), 400, "logit_bias"),
     ("/generate", _gen(sampling_params=[{}, {}]), 400, "sampling_params has 2 entries"),
     ("/generate", _gen(sampling_params="fast"), 400, "JSON object"),
     ("/generate", _gen(return_logprob="yes"), 400, "return_logprob"),

@@ -39,7 +39,11 @@ _UNSUPPORTED = {
 
 
 class SamplingParams(BaseModel):
-    """One request's ``sampling_params``; unknown keys are rejected as SGLang 0.5.23 does."""
+    """One request's ``sampling_params``; unknown keys are rejected as SGLang 0.5.23 does.
+
+    ``sampling_seed`` makes a request reproducible whatever else shares the batch; copy ``i``
+    of a request with ``n`` > 1 uses ``sampling_seed + i`` so the copies differ.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=False)
 
@@ -127,7 +131,9 @@ def parse_sampling_params(
             raise RequestError(
                 f"{where}.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})"
             )
-    for key in params.logit_bias or {}:
+    for key, bias in (params.logit_bias or {}).items():
+        if not -1e4 <= bias <= 1e4:
+            raise RequestError(f"{where}.logit_bias: {bias} for token {key} is outside [-1e4, 1e4]")
         try:
             tid = int(key)
         except ValueError:
