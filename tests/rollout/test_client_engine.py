@@ -44,6 +44,26 @@ def test_generate_fields_and_logprobs(engine: ServerProcess) -> None:
     asyncio.run(main())
 
 
+def test_streaming_is_cumulative_and_ends_like_non_streaming(engine: ServerProcess) -> None:
+    async def main() -> None:
+        async with SGLangClient(engine.url) as client:
+            params = {"max_new_tokens": 6, **GREEDY}
+            full = await client.generate([8, 9, 10], params, return_logprob=True)
+            chunks = [
+                c async for c in client.generate_stream([8, 9, 10], params, return_logprob=True)
+            ]
+            assert [len(c.output_ids) for c in chunks] == [1, 2, 3, 4, 5, 6]
+            assert all(not c.finish_reason for c in chunks[:-1])
+            last = chunks[-1]
+            assert last.output_ids == full.output_ids and last.finish_reason == full.finish_reason
+            assert last.output_logprobs == pytest.approx(full.output_logprobs, abs=1e-5)
+            with pytest.raises(SGLangRequestError, match="temperature"):
+                async for _ in client.generate_stream([1], {"temperature": -1}):
+                    pass
+
+    asyncio.run(main())
+
+
 def test_concurrent_requests_share_decode_steps(engine: ServerProcess) -> None:
     async def main() -> None:
         async with SGLangClient(engine.url, max_concurrency=32) as client:

@@ -65,7 +65,7 @@ CASES = [
     ("/generate", _gen(sampling_params="fast"), 400, "JSON object"),
     ("/generate", _gen(return_logprob="yes"), 400, "return_logprob"),
     ("/generate", _gen(rid=5), 400, "rid"),
-    ("/generate", _gen(stream=True), 400, "stream"),
+    ("/generate", _gen(stream="yes"), 400, "stream"),
     ("/generate", _gen(logprob_start_len=10), 400, "logprob_start_len"),
     ("/generate", b"x" * (2 << 20), 413, "exceeds the limit"),
     ("/update_weights_from_disk", {}, 400, "model_path"),

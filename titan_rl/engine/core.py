@@ -43,6 +43,8 @@ class Sequence:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     on_done: Callable[[Sequence], None] | None = None
+    #: streaming: called on the engine thread after each token of an unfinished sequence
+    on_token: Callable[[Sequence], None] | None = None
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -515,9 +517,24 @@ class Engine:
                     s.finish_reason = {"type": "stop", "matched": stop}
                     break
         if s.finish_reason is None:
+            if s.on_token is not None:
+                try:
+                    s.on_token(s)
+                except Exception:  # a dead stream must not kill the engine
+                    log.exception("on_token callback failed")
             return False
         self._finish(s)
         return True
+
+    def snapshot(self, s: Sequence) -> dict[str, Any]:
+        """The cumulative response of an unfinished sequence (a streaming chunk)."""
+        out = sequence_result(s)
+        out["meta_info"]["weight_version"] = self.weight_version
+        if self.tokenizer is not None:
+            out["text"] = self.tokenizer.decode(
+                s.output_ids, skip_special_tokens=s.params.skip_special_tokens
+            )
+        return out
 
     # ---- weights (engine thread, via call()) ----------------------------------------------
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:

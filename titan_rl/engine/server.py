@@ -9,12 +9,13 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from titan_rl.engine.core import Engine, Sequence, sequence_result
@@ -229,6 +230,8 @@ def create_app(
     async def generate(request: Request) -> Response:
         data = await body(request)
         seqs, single = _build_sequences(engine, data)
+        if data.get("stream"):
+            return StreamingResponse(_stream(engine, seqs, single), media_type="text/event-stream")
         results = await _run(engine, seqs)
         errors = [s.error for s in results if s.error]
         if errors:
@@ -493,10 +496,8 @@ def _check_tags(data: dict[str, Any]) -> None:
 
 def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequence], bool]:
     """Turn a GenerateReqInput into Sequences (prompt-major, n copies each)."""
-    if data.get("stream"):
-        raise HTTPError(
-            400, "stream=true is not supported by the built-in CPU engine; send stream=false"
-        )
+    if not isinstance(data.get("stream", False), bool):
+        raise HTTPError(400, "stream must be true or false")
     if data.get("input_embeds") is not None:
         raise HTTPError(
             400, "input_embeds is not supported by the built-in CPU engine; send input_ids"
@@ -620,3 +621,41 @@ async def _run(engine: Engine, seqs: list[Sequence]) -> list[Sequence]:
         for s in seqs:
             engine.call(lambda s=s: engine.abort(s.rid))
         raise
+
+
+def _stream(engine: Engine, seqs: list[Sequence], single: bool) -> AsyncIterator[bytes]:
+    """Submit now (so a bad rid is a 400, not a broken stream) and return the SSE chunks:
+    ``data: {cumulative response}`` per token, the final response, then ``data: [DONE]``."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[int, dict[str, Any], bool]] = asyncio.Queue()
+    for i, s in enumerate(seqs):
+
+        def on_token(seq: Sequence, i: int = i) -> None:
+            chunk = engine.snapshot(seq)
+            loop.call_soon_threadsafe(queue.put_nowait, (i, chunk, False))
+
+        def on_done(seq: Sequence, i: int = i) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, (i, sequence_result(seq), True))
+
+        s.on_token, s.on_done = on_token, on_done
+    engine.submit(seqs)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        remaining = len(seqs)
+        try:
+            while remaining:
+                i, chunk, final = await queue.get()
+                if not single:
+                    chunk["index"] = i
+                if final:
+                    remaining -= 1
+                    if seqs[i].error:
+                        chunk = {"error": {"message": seqs[i].error, "code": 500}}
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            if remaining:  # the caller went away: stop generating for it
+                for s in seqs:
+                    engine.call(lambda s=s: engine.abort(s.rid))
+
+    return chunks()

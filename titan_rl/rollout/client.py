@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import time
 import uuid
@@ -261,6 +262,48 @@ class SGLangClient:
         if isinstance(data, list):
             return [GenerateOutput.from_json(d) for d in data]
         return GenerateOutput.from_json(data)
+
+    async def generate_stream(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any] | None = None,
+        *,
+        return_logprob: bool = False,
+        rid: str | None = None,
+        **extra: Any,
+    ) -> AsyncIterator[GenerateOutput]:
+        """Stream one prompt's cumulative outputs (SSE). Not retried once the stream has begun,
+        since a retry would repeat tokens already delivered."""
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params or {}),
+            "return_logprob": return_logprob,
+            "rid": rid or uuid.uuid4().hex,
+            "stream": True,
+            **extra,
+        }
+        async with (
+            self._sem,
+            self._http.stream("POST", "/generate", json=payload, timeout=self._gen_timeout) as resp,
+        ):
+            if resp.status_code >= 400:
+                await resp.aread()
+                cls = SGLangRequestError if resp.status_code < 500 else SGLangUnavailableError
+                if cls is SGLangRequestError:
+                    raise SGLangRequestError(resp.status_code, _error_message(resp), "/generate")
+                raise SGLangUnavailableError(
+                    f"/generate: HTTP {resp.status_code}: {_error_message(resp)}"
+                )
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                obj = json.loads(data)
+                if "error" in obj:
+                    raise SGLangError(f"/generate stream: {obj['error']}")
+                yield GenerateOutput.from_json(obj)
 
     async def generate_batch(
         self,
