@@ -377,39 +377,65 @@ def _iter_plain(path: Path) -> Iterator[bytes]:
 def _stream_events(path: Path, sorter: _Sorter) -> bytes:
     """Decode a Kineto-formatted trace piece by piece (events are split at their
     top-level boundaries), so only a few MB of JSON text and Python objects are alive at
-    a time. Returns the document without its events."""
-    buf = bytearray()
+    a time. Returns the document without its events.
+
+    The text goes through one preallocated buffer that is never resized (growing or
+    shrinking a bytearray reallocates it, and large fresh allocations cost page faults).
+    Pieces are decoded in place: ``buf[0]`` is always a byte that may become the piece's
+    ``[`` (the array's own, or the comma before the next event), and the comma after the
+    piece's last event becomes its ``]`` while it is decoded."""
+    buf = bytearray(4 * _PIECE)
+    n = 0  # buf[:n] holds text not decoded yet
     header: bytes | None = None
     for chunk in _iter_plain(path):
-        buf += chunk
+        k = len(chunk)
+        if n + k > len(buf):
+            grown = bytearray(max(2 * len(buf), n + k))
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n : n + k] = chunk
+        n += k
         del chunk
         if header is None:
-            m = _EVENTS_KEY.search(buf)
+            m = _EVENTS_KEY.search(buf, 0, n)
             if m is None:
                 continue
             header = bytes(buf[: m.start()]) + b'"traceEvents": '
-            del buf[: m.end()]
-        if len(buf) < _PIECE:
+            start = m.end() - 1  # keep the "["
+            buf[: n - start] = buf[start:n]
+            n -= start
+        if n < _PIECE:
             continue
-        cut = buf.rfind(_SEP)
+        cut = buf.rfind(_SEP, 0, n)
         if cut < 0:
             continue
-        piece = b"[" + buf[: cut + 4] + b"]"
-        del buf[: cut + 5]
-        sorter.add(_PIECE_DECODER.decode(piece))
-        del piece
+        comma = cut + 4
+        buf[0] = 0x5B  # [
+        buf[comma] = 0x5D  # ]
+        view = memoryview(buf)[: comma + 1]
+        try:
+            sorter.add(_PIECE_DECODER.decode(view))
+        finally:
+            buf[comma] = 0x2C  # ,
+            try:
+                view.release()
+            except BufferError:  # something still holds the piece: go on with a copy
+                buf = bytearray(buf)
+        buf[: n - comma] = buf[comma:n]
+        n -= comma
     if header is None:
         raise TraceError("no traceEvents array (truncated or not a Kineto trace)")
     # the rest: the last events, the array's end and the document's tail
-    last = buf.rfind(_SEP)
-    m = _ARRAY_END.search(buf, 0 if last < 0 else last)
+    body = bytes(buf[1:n])
+    del buf
+    last = body.rfind(_SEP)
+    m = _ARRAY_END.search(body, 0 if last < 0 else last)
     if m is None:
         raise TraceError("truncated JSON: the traceEvents array never ends")
     tail_start = m.end()
-    body_end = m.start() + (4 if buf[m.start() : m.start() + 1] == b"\n" else 0)
-    piece = b"[" + buf[:body_end] + b"]"
-    sorter.add(_PIECE_DECODER.decode(piece))
-    return header + b"[]" + bytes(buf[tail_start:])
+    body_end = m.start() + (4 if body[m.start() : m.start() + 1] == b"\n" else 0)
+    sorter.add(_PIECE_DECODER.decode(b"[" + body[:body_end] + b"]"))
+    return header + b"[]" + body[tail_start:]
 
 
 def _read_bytes(path: Path) -> bytes:
