@@ -64,6 +64,30 @@ def test_streaming_is_cumulative_and_ends_like_non_streaming(engine: ServerProce
     asyncio.run(main())
 
 
+def test_sampling_seed_reproducible_over_http(engine: ServerProcess) -> None:
+    async def main() -> None:
+        async with SGLangClient(engine.url) as client:
+            params = {
+                "max_new_tokens": 20,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "sampling_seed": 7,
+            }
+            noise = [
+                client.generate([i + 1], {"max_new_tokens": 30, "ignore_eos": True})
+                for i in range(4)
+            ]
+            first, *_ = await asyncio.gather(client.generate([4, 5], params), *noise)
+            again = await client.generate([4, 5], params)
+            assert first.output_ids == again.output_ids
+            other = await client.generate([4, 5], {**params, "sampling_seed": 8})
+            assert other.output_ids != first.output_ids
+            copies = await client.generate([4, 5], {**params, "n": 2})
+            assert copies[0].output_ids == first.output_ids != copies[1].output_ids
+
+    asyncio.run(main())
+
+
 def test_concurrent_requests_share_decode_steps(engine: ServerProcess) -> None:
     async def main() -> None:
         async with SGLangClient(engine.url, max_concurrency=32) as client:

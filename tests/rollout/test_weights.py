@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -160,5 +161,43 @@ def test_update_from_distributed(
             sender.join(30)
             assert await _greedy(client) == (refs["b"], f"dist-{load_format}")
             await client.destroy_weights_update_group(group)
+
+    asyncio.run(main())
+
+
+async def _until_running(client: SGLangClient, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (await client.get_server_info())["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline, "request never reached the engine"
+        await asyncio.sleep(0.02)
+
+
+def test_update_waits_for_running_requests_unless_paused(
+    keyed_engine: ServerProcess, models: dict[str, Path], refs: dict
+) -> None:
+    long_params = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def main() -> None:
+        async with SGLangClient(keyed_engine.url, api_key=KEY) as client:
+            await client.update_weights_from_disk(str(models["a"]), weight_version="a0")
+            # not paused: the update waits, so the running request is answered by one version
+            long = asyncio.create_task(client.generate(PROMPT, long_params))
+            await _until_running(client)
+            await client.update_weights_from_disk(str(models["b"]), weight_version="gated")
+            assert long.done()
+            res = long.result()
+            assert res.weight_version == "a0" and res.output_ids[:NEW] == refs["a"]
+            assert await _greedy(client) == (refs["b"], "gated")
+            # paused in place: the update lands between steps, the request continues after
+            long = asyncio.create_task(client.generate(PROMPT, long_params))
+            await _until_running(client)
+            await client.pause_generation("in_place")
+            try:
+                await client.update_weights_from_disk(str(models["a"]), weight_version="a1")
+                assert not long.done()
+            finally:
+                await client.continue_generation()
+            res = await asyncio.wait_for(long, 60)
+            assert res.weight_version == "a1" and len(res.output_ids) == 200
 
     asyncio.run(main())

@@ -159,6 +159,23 @@ def create_app(
     async def on_engine(fn: Any) -> Any:
         return await asyncio.wrap_future(engine.call(fn))
 
+    gate = asyncio.Event()  # closed while a weight update waits or runs
+    gate.set()
+    update_lock = asyncio.Lock()
+
+    async def update_on_engine(fn: Any) -> Any:
+        """Apply a weight update as SGLang's model_update_lock does: unless generation is
+        paused, wait for running requests to finish (new ones wait for the update), so no
+        response mixes two weight versions."""
+        async with update_lock:
+            gate.clear()
+            try:
+                while not engine.paused and engine.num_running() > 0:
+                    await asyncio.sleep(0.01)
+                return await on_engine(fn)
+            finally:
+                gate.set()
+
     # ---- health and info -------------------------------------------------------------
     @app.get("/health")
     async def health() -> Response:
@@ -230,6 +247,7 @@ def create_app(
     async def generate(request: Request) -> Response:
         data = await body(request)
         seqs, single = _build_sequences(engine, data)
+        await gate.wait()
         if data.get("stream"):
             return StreamingResponse(_stream(engine, seqs, single), media_type="text/event-stream")
         results = await _run(engine, seqs)
@@ -345,15 +363,19 @@ def create_app(
         named = [(n, t) for n, t in tensors.items() if n in engine.param_names()]
 
         def apply() -> int:
-            if abort_all:
-                engine.abort(None, abort_all=True, message="aborted for a weight update")
             n = engine.load_named_tensors(named)
             engine.model_path = path
             _bump(data)
             return n
 
         try:
-            n = await on_engine(apply)
+            if abort_all:
+                await on_engine(
+                    lambda: engine.abort(
+                        None, abort_all=True, message="aborted for a weight update"
+                    )
+                )
+            n = await update_on_engine(apply)
         except RequestError as e:
             return _fail(str(e))
         return _ok(f"Succeeded to update model weights ({n} tensors).", num_paused_requests=0)
@@ -380,7 +402,7 @@ def create_app(
                 _bump(data)
                 return n
 
-            n = await on_engine(apply)
+            n = await update_on_engine(apply)
         except RequestError as e:
             return _fail(str(e))
         return _ok(f"Succeeded to update {n} tensors.")
@@ -444,7 +466,7 @@ def create_app(
             return n
 
         try:
-            n = await on_engine(apply)
+            n = await update_on_engine(apply)
         except RequestError as e:
             return _fail(str(e))
         except Exception as e:
