@@ -25,12 +25,13 @@ import json
 import math
 import os
 import re
+import string
 import zlib
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -66,8 +67,9 @@ class _Args(msgspec.Struct, frozen=True, gc=False):
 _NO_ARGS = _Args()
 
 
-class _Event(msgspec.Struct, frozen=True, gc=False):
-    ph: str | None = None
+class _Event(msgspec.Struct, frozen=True, gc=False, tag="X", tag_field="ph"):
+    """A complete ("X") event: the only phase the analyses use."""
+
     cat: str | None = None
     name: str = ""
     tid: int | float | str | None = None
@@ -76,14 +78,25 @@ class _Event(msgspec.Struct, frozen=True, gc=False):
     args: _Args = _NO_ARGS
 
 
+#: every other phase (flows, instants, metadata, counters...) decodes to an empty struct:
+#: its fields are skipped without becoming objects. A phase outside these single letters
+#: fails validation and the file takes the slow path.
+_SKIPS = tuple(
+    msgspec.defstruct(f"_Skip{c}", [], tag=c, tag_field="ph", frozen=True, gc=False)
+    for c in string.ascii_letters
+    if c != "X"
+)
+_AnyEvent = Union[(_Event, *_SKIPS)]  # noqa: UP007 (built at runtime)
+
+
 class _File(msgspec.Struct):
-    traceEvents: list[_Event] = []  # noqa: N815 (the file's key)
+    traceEvents: list[_AnyEvent] = []  # type: ignore[valid-type] # noqa: N815 (the file's key)
     distributedInfo: dict[str, Any] | None = None  # noqa: N815
     deviceProperties: list[Any] | None = None  # noqa: N815
 
 
 _DECODER = msgspec.json.Decoder(_File)
-_PIECE_DECODER = msgspec.json.Decoder(list[_Event])
+_PIECE_DECODER = msgspec.json.Decoder(list[_AnyEvent])  # type: ignore[valid-type]
 
 #: the comm args of an event, in this order (None when the event has none)
 COMM_FIELDS = (
@@ -215,10 +228,10 @@ class _Sorter:
             if comm or n.startswith(("ProfilerStep", "titan/")):
                 self._special.add(n)
 
-    def add(self, events: list[_Event]) -> None:
+    def add(self, events: list[Any]) -> None:
         ev = self.ev
         # complete events with a category and a duration ("Trace" is the profiler's span)
-        xs = [e for e in events if e.ph == "X" and e.cat is not None and e.dur == e.dur]
+        xs = [e for e in events if e.__class__ is _Event and e.cat is not None and e.dur == e.dur]
         ev.n_events += len(xs)
         xs = [e for e in xs if e.cat != "Trace" and e.ts == e.ts]
         gpu_cats = self.gpu_cats
@@ -318,9 +331,10 @@ def _structs_from_dicts(events: list[Any]) -> list[_Event]:
                 input_dims=raw(a.get("Input Dims")),
                 input_type=raw(a.get("Input type")),
             )
+        if e.get("ph") != "X":
+            continue
         structs.append(
             _Event(
-                ph=e.get("ph"),
                 cat=e.get("cat"),
                 name=str(e.get("name", "")),
                 tid=e.get("tid") if isinstance(e.get("tid"), (int, float, str)) else None,
