@@ -112,7 +112,7 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
 
 
 def _row(name: str, ts: int, end: int, tid: str | None, info: tuple | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": name, "ts": ts, "end": end, "tid": tid}
+    row: dict[str, Any] = {"name": name, "ts": ts, "end": end, "tid": tid, "_args": info}
     if info is None:
         row.update(_NO_INFO)
     else:
@@ -182,10 +182,11 @@ def _from_kernels(
             # host ranges that enclose the launch give the op's args and name
             for r in reversed(hrows[max(0, i1 - 8) : i1]):
                 if r["end"] >= lts:
-                    for key in _FILL_KEYS:
-                        if info.get(key) is None and r.get(key) is not None:
-                            info[key] = r[key]
-                    if info.get("coll") is None and ":" in r["name"]:
+                    if r["_args"] is not None:  # else all its comm fields are None
+                        for key in _FILL_KEYS:
+                            if info[key] is None and r[key] is not None:
+                                info[key] = r[key]
+                    if info["coll"] is None and ":" in r["name"]:
                         info["coll"] = r["name"]
             # P2P: the send/recv ranges issued since the previous comm launch (coalesced too)
             if coll_k in P2P or coll_k == "unknown":

@@ -23,7 +23,7 @@ def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
     out_e: list[int] = []
     if len(starts) == 0:
         return out_s, out_e
-    pairs = sorted(zip(starts, ends, strict=True), key=_FIRST)
+    pairs = sorted(zip(starts, ends, strict=True))  # equal starts: order is irrelevant
     cur_s, cur_e = pairs[0]
     for s, e in pairs:
         if s > cur_e:

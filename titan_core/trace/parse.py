@@ -230,22 +230,29 @@ class _Sorter:
 
     def add(self, events: list[Any]) -> None:
         ev = self.ev
-        # complete events with a category and a duration ("Trace" is the profiler's span)
-        xs = [e for e in events if e.__class__ is _Event and e.cat is not None and e.dur == e.dur]
+        # complete events with a category, a start and a duration ("Trace" is the
+        # profiler's own span)
+        xs = [
+            e
+            for e in events
+            if e.__class__ is _Event
+            and e.cat is not None
+            and e.dur == e.dur
+            and e.ts == e.ts
+            and e.cat != "Trace"
+        ]
         ev.n_events += len(xs)
-        xs = [e for e in xs if e.cat != "Trace" and e.ts == e.ts]
+        self._classify({e.name for e in xs})
+        comm, special = self._comm, self._special
         gpu_cats = self.gpu_cats
         dev = [e for e in xs if e.cat in gpu_cats]
-        rest = [e for e in xs if e.cat not in gpu_cats]
-        self._classify({e.name for e in rest})
-        comm, special = self._comm, self._special
         if self.cpu_ops:
-            ops = [e for e in rest if e.cat == "cpu_op" and e.name not in comm]
+            ops = [e for e in xs if e.cat == "cpu_op" and e.name not in comm]
             ev.ops_ts.extend(map(math.ceil, [e.ts for e in ops]))
             ev.ops_end.extend(map(math.floor, [e.ts + e.dur for e in ops]))
             ev.ops_tid.extend([str(e.tid) for e in ops])
         # plain cpu ops are no launches, ranges of interest or device events
-        rest = [e for e in rest if e.cat != "cpu_op" or e.name in comm]
+        rest = [e for e in xs if e.cat not in gpu_cats and (e.cat != "cpu_op" or e.name in comm)]
         if not ev.has_stream:
             ev.has_stream = any(e.args.stream >= 0 for e in dev) or any(
                 e.args.stream >= 0 for e in rest
@@ -261,7 +268,14 @@ class _Sorter:
             ev.dev_cat.extend([e.cat for e in dev])  # type: ignore[misc]
             ev.dev_stream.extend([e.args.stream for e in dev])
             ev.dev_corr.extend([e.args.correlation for e in dev])
-            ev.dev_info.extend([_info(e.args, True) for e in dev])
+            ev.dev_info.extend(
+                [
+                    _info(a, True)
+                    if a.collective is not None or a.pg_name is not None or len(a.input_dims)
+                    else None
+                    for a in [e.args for e in dev]
+                ]
+            )
             hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))]
         else:
             hs = []
