@@ -76,13 +76,23 @@ class GpuEvents:
 
 
 def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
-    first: dict[int, tuple[int, str]] = {}
-    for c, t, tid in zip(ev.launch_corr, ev.launch_ts, ev.launch_tid, strict=True):
-        cur = first.get(c)
-        if cur is None:
-            first[c] = (t, tid)
-        elif t < cur[0]:
-            first[c] = (t, cur[1])  # earliest start, thread of the first in file order
+    # correlation -> (earliest start, thread of the first in file order); usually each
+    # correlation has one launch, and building the dict backwards keeps the first one
+    first: dict[int, tuple[int, str]] = dict(
+        zip(
+            reversed(ev.launch_corr),
+            zip(reversed(ev.launch_ts), reversed(ev.launch_tid), strict=True),
+            strict=True,
+        )
+    )
+    if len(first) != len(ev.launch_corr):  # repeated correlations: take the earliest start
+        first = {}
+        for c, t, tid in zip(ev.launch_corr, ev.launch_ts, ev.launch_tid, strict=True):
+            cur = first.get(c)
+            if cur is None:
+                first[c] = (t, tid)
+            elif t < cur[0]:
+                first[c] = (t, cur[1])
     kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(ev.dev_name)}
     # stable sort by start: ties keep file order
     rows = sorted(
