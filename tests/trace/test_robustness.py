@@ -5,6 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from titan_core.trace.analyze import build_summary, load_ranks
 from titan_core.trace.cli import main
 from titan_core.trace.parse import parse_file
@@ -66,6 +68,24 @@ def test_import_is_light() -> None:
     import subprocess
     import sys
 
-    code = "import sys, titan_core.trace.cli, titan_core.trace.analyze; print('torch' in sys.modules, 'megatron' in sys.modules)"
+    code = (
+        "import sys, titan_core.trace.cli, titan_core.trace.analyze; "
+        "print(*(m in sys.modules for m in ('torch', 'megatron', 'numpy', 'polars')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "False"]
+    # numpy and polars stay off the analysis path too (the report imports them itself)
+    assert out.stdout.split() == ["False"] * 4
+
+
+def test_worker_processes_match_inline(traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import titan_core.trace.analyze as analyze
+
+    inline, _ = load_ranks(traces / "trace_filter", workers=2, progress=False)
+    monkeypatch.setattr(analyze, "INLINE_BYTES_PER_WORKER", 0)  # force the process pool
+    pooled, problems = load_ranks(traces / "trace_filter", workers=2, progress=False)
+    assert not problems
+    assert [r.rank for r in pooled] == [r.rank for r in inline] == [0, 1]
+    for a, b in zip(inline, pooled, strict=True):
+        assert a.kernel_time_us == b.kernel_time_us
+        assert a.steps == b.steps
+        assert len(a.comm_ops) == len(b.comm_ops)
