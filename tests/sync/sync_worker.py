@@ -1,0 +1,81 @@
+"""A megatron trainer process that syncs its weights to running engines and reports.
+
+``python tests/sync/sync_worker.py --engines URL.. --model-dir HF --out out.json
+--transports tensor disk ...`` (torchrun for TP=2). Before each transport's sync the trainer's
+weights are perturbed, so every sync carries weights the engine has not seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engines", nargs="+", required=True)
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--transports", nargs="+", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--bucket-bytes", type=int, default=64_000)
+    ap.add_argument("--disk-dir", default=None)
+    ap.add_argument("--agents", nargs="*", default=[])
+    ap.add_argument("--no-perturb", action="store_true")
+    a = ap.parse_args()
+
+    from titan_core.config.pretrain import PretrainConfig
+    from titan_core.models.gpt import (
+        build_model_chunks,
+        build_transformer_config,
+        padded_vocab_size,
+    )
+    from titan_core.models.hf import HFBridge, model_config_from_hf
+    from titan_core.parallel.initialize import initialize, shutdown
+    from titan_rl.sync import SyncConfig, WeightSync, WeightSyncError
+
+    model = model_config_from_hf(a.model_dir, seq_length=32, transformer_impl="local")
+    cfg = PretrainConfig.model_validate(
+        {
+            "model": model.model_dump(),
+            "parallel": {"tensor_model_parallel_size": a.tp},
+            "train": {"micro_batch_size": 1, "global_batch_size": 1, "lr_warmup_iters": 0},
+        }
+    )
+    accel, _, _ = initialize(cfg)
+    tf = build_transformer_config(cfg, accel)
+    chunks = build_model_chunks(cfg, tf, padded_vocab_size(model.vocab_size, cfg), accel)
+    HFBridge(a.model_dir).load(chunks, a.model_dir)
+    results = []
+    for i, transport in enumerate(a.transports):
+        if not a.no_perturb:
+            with torch.no_grad():
+                g = torch.Generator().manual_seed(100 + i)
+                for p in chunks[0].parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+        sc = SyncConfig(
+            transport=transport, bucket_bytes=a.bucket_bytes, disk_dir=a.disk_dir,
+            mooncake_agents=a.agents, check_every=1, strict=False,
+        )  # fmt: skip
+        ws = WeightSync(sc, a.engines, a.model_dir)
+        res: dict = {"transport": transport, "version": f"v{i + 1}"}
+        res["before"] = ws.check(chunks)
+        try:
+            res["metrics"] = ws.sync(chunks, step=i + 1, version=f"v{i + 1}")
+        except WeightSyncError as e:
+            res["error"] = str(e)
+            res["failed"] = sorted(e.failures)
+            res["after"] = ws.check(chunks)
+        ws.close()
+        results.append(res)
+    if dist.get_rank() == 0:
+        Path(a.out).write_text(json.dumps(results, indent=1))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

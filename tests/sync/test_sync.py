@@ -1,0 +1,195 @@
+"""Weight sync trainer -> built-in engine, each transport: the engine then scores a probe like
+the trainer (|logprob diff| < 1e-4, CPU fp32) and reports the new weight_version; a failing
+sync leaves the engine on its old weights and version and names it."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from titan_rl.actors.config import EngineServerConfig
+from titan_rl.actors.server import ServerProcess, free_port
+from titan_rl.rollout import SGLangClient
+from titan_rl.sync import SyncConfig
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(REPO / "tests" / "sync" / "sync_worker.py")
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+
+
+def tiny_qwen3(path: Path, seed: int, intermediate: int = 128) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=300, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3(tmp_path_factory.mktemp("qwen3"), seed=0)
+
+
+def start_engine(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
+    cfg = EngineServerConfig(
+        model_path=str(model_dir), backend="builtin", num_threads=1, log_dir=str(log_dir),
+        startup_timeout_s=120,
+    )  # fmt: skip
+    server = ServerProcess(cfg, name=name)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_engine(model_dir, tmp_path_factory.mktemp("logs"), "sync-engine")
+    yield server
+    server.stop()
+
+
+def run_worker(tmp: Path, *args: str, nproc: int = 1) -> list[dict]:
+    out = tmp / "result.json"
+    cmd = [sys.executable, WORKER] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", str(nproc), WORKER,
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    # Output to a file: torch's shm manager daemon inherits the descriptors and outlives us.
+    log = tmp / "worker.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(
+            [*cmd, "--out", str(out), *args], stdout=f, stderr=subprocess.STDOUT, env=env,
+            timeout=300,
+        )  # fmt: skip
+    assert proc.returncode == 0, log.read_text()[-5000:]
+    return json.loads(out.read_text())
+
+
+def weight_version(url: str) -> str:
+    async def get() -> str:
+        async with SGLangClient(url) as c:
+            return (await c.get_model_info())["weight_version"]
+
+    return asyncio.run(get())
+
+
+def engine_scores(url: str) -> list[list[float]]:
+    from titan_rl.sync.parity import engine_logprobs, probe_batch
+
+    async def get() -> list[list[float]]:
+        async with SGLangClient(url) as c:
+            return [t.tolist() for t in await engine_logprobs(c, probe_batch(2, 16, 300, 7))]
+
+    return asyncio.run(get())
+
+
+@pytest.fixture(scope="module")
+def agent(engine: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not HAVE_MOONCAKE:
+        yield ""
+        return
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("agent") / "agent.log", "w")  # noqa: SIM115
+    p = subprocess.Popen(
+        [sys.executable, "-m", "titan_rl.sync.mooncake_agent", "--engine-url", engine.url,
+         "--port", str(port), "--buffer-bytes", str(1 << 20)],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(f"{url}/info", timeout=1).raise_for_status()
+            break
+        except httpx.HTTPError:
+            if p.poll() is not None:
+                pytest.fail(f"mooncake agent exited: {Path(log.name).read_text()[-2000:]}")
+            import time
+
+            time.sleep(0.2)
+    yield url
+    p.terminate()
+    p.wait(10)
+    log.close()
+
+
+@pytest.mark.slow
+def test_every_transport_reaches_parity(
+    engine: ServerProcess, model_dir: Path, agent: str, tmp_path: Path
+) -> None:
+    transports = ["tensor", "distributed", "disk"] + (["mooncake"] if HAVE_MOONCAKE else [])
+    results = run_worker(
+        tmp_path, "--engines", engine.url, "--model-dir", str(model_dir),
+        "--disk-dir", str(tmp_path / "disk"), "--transports", *transports,
+        *(["--agents", agent] if agent else []),
+    )  # fmt: skip
+    assert [r["transport"] for r in results] == transports
+    for r in results:
+        assert "error" not in r, r
+        m = r["metrics"]
+        # the engine served other weights before (the check can fail) and the new ones after
+        assert r["before"]["sync/logprob_abs_diff_max"] > 0.1, r
+        assert m["sync/logprob_abs_diff_mean"] < 1e-4 and m["sync/logprob_abs_diff_max"] < 1e-4, r
+        assert m["sync/buckets"] > 1 and m["sync/bytes"] > 0
+    assert weight_version(engine.url) == results[-1]["version"]
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake-transfer-engine-non-cuda is not installed: mooncake not checked")
+
+
+@pytest.mark.slow
+def test_tp2_trainer_syncs_gathered_weights(
+    engine: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    (r,) = run_worker(
+        tmp_path, "--engines", engine.url, "--model-dir", str(model_dir), "--tp", "2",
+        "--transports", "tensor", nproc=2,
+    )  # fmt: skip
+    assert "error" not in r, r
+    assert r["metrics"]["sync/logprob_abs_diff_max"] < 1e-4
+
+
+@pytest.mark.slow
+def test_failure_mid_sync_restores_old_weights_and_version(model_dir: Path, tmp_path: Path) -> None:
+    # A fresh engine (on its start-up weights, the restore point). A trainer whose MLP is wider than the engine's: the embedding bucket is applied, then the
+    # first MLP tensor is rejected; the engine must come back to the weights it serves now.
+    wide = tiny_qwen3(tmp_path / "wide", seed=5, intermediate=192)
+    engine = start_engine(model_dir, tmp_path, "fresh-engine")
+    try:
+        before, scores = weight_version(engine.url), engine_scores(engine.url)
+        (r,) = run_worker(
+            tmp_path, "--engines", engine.url, "--model-dir", str(wide), "--transports",
+            "tensor", "--bucket-bytes", "40000",
+        )  # fmt: skip
+        assert r["failed"] == [engine.url]
+        assert engine.url in r["error"] and "restored the old weights" in r["error"], r["error"]
+        assert weight_version(engine.url) == before
+        # serving again (generation continued) and on its previous weights: same scores
+        assert engine_scores(engine.url) == scores
+    finally:
+        engine.stop()
+
+
+def test_config_errors_say_what_to_do() -> None:
+    from titan_core.config.loader import ConfigError, load_config
+
+    with pytest.raises(ValueError, match="disk_dir"):
+        SyncConfig(transport="disk")
+    with pytest.raises(ValueError, match="mooncake_agents"):
+        SyncConfig(transport="mooncake")
+    with pytest.raises(ConfigError, match="bucket_byte"):
+        load_config(SyncConfig, overrides=["bucket_byte=3"])

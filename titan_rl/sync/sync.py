@@ -1,0 +1,309 @@
+"""Weight sync trainer -> engines: pause, flush, update bucket by bucket, bump the version,
+continue; then the logprob parity check.
+
+Every trainer rank calls :meth:`WeightSync.sync` (the export gathers over TP/PP/EP); trainer
+rank 0 alone talks to the engines. An engine that fails during a sync never serves the half
+update as new: it keeps its old ``weight_version``; if it had already applied buckets, it is
+restored from the last full version on disk when one is known (the engine's start-up weights
+or the last disk sync), and otherwise left paused. Either way :class:`WeightSyncError` names it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_core.models.hf import HFBridge
+from titan_rl.rollout import SGLangClient
+from titan_rl.sync import parity
+from titan_rl.sync.buckets import NamedTensors, bucket_nbytes
+from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.transports import (
+    DiskTransport,
+    DistributedTransport,
+    Engine,
+    Failures,
+    MooncakeTransport,
+    TensorTransport,
+    Transport,
+)
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """One or more engines did not take the new weights; ``failures`` maps URL -> reason."""
+
+    def __init__(self, failures: dict[str, str], version: str) -> None:
+        self.failures = failures
+        lines = "\n  ".join(f"{url}: {msg}" for url, msg in failures.items())
+        super().__init__(
+            f"weight sync to version {version} failed on {len(failures)} engine(s):\n  {lines}"
+        )
+
+
+class ParityError(RuntimeError):
+    """Engine and trainer logprobs differ by more than ``sync.max_logprob_diff``."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class WeightSync:
+    """Pushes a megatron model's weights to SGLang-API engines as HF tensors."""
+
+    def __init__(
+        self,
+        cfg: SyncConfig,
+        engine_urls: list[str],
+        hf_config: dict[str, Any] | str | Path,
+        *,
+        api_key: str | None = None,
+        metrics: Any = None,
+        trainer_logprobs_fn: Callable[[list[Any], list[list[int]]], list[torch.Tensor]]
+        | None = None,
+        device: torch.device | None = None,
+        dst: int = 0,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("WeightSync needs at least one engine URL")
+        if cfg.transport == "mooncake" and len(cfg.mooncake_agents) != len(engine_urls):
+            raise ValueError(
+                f"sync.mooncake_agents has {len(cfg.mooncake_agents)} URLs for "
+                f"{len(engine_urls)} engines; give one agent per engine, in the same order"
+            )
+        self.cfg = cfg
+        self.bridge = HFBridge(hf_config)
+        self.metrics = metrics
+        self.dst = dst
+        self.api_key = api_key
+        self.engine_urls = list(engine_urls)
+        self.trainer_logprobs_fn = trainer_logprobs_fn
+        self.device = device or torch.device("cpu")
+        self.num_syncs = 0
+        self.version: str | None = None
+        #: url -> an HF directory holding the weights the engine serves now (for restores).
+        self.restore_paths: dict[str, str | None] = {}
+        self.probe = parity.probe_batch(
+            cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
+        )
+        self._transport: Transport | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------
+    def _make_transport(self) -> Transport:
+        t = self.cfg.transport
+        if t == "tensor":
+            return TensorTransport(self.cfg, self.device)
+        if t == "disk":
+            return DiskTransport(self.cfg, self.device)
+        if t == "distributed":
+            backend = self.cfg.backend
+            if backend is None:
+                from titan_core.accelerator import get_accelerator
+
+                # e.g. "cpu:gloo,musa:mccl": the engine side of a CPU trainer speaks gloo
+                spec = get_accelerator().weight_update_backend()
+                backend = spec.split(",")[-1].split(":")[-1] if ":" in spec else spec
+            return DistributedTransport(self.cfg, self.device, backend)
+        return MooncakeTransport(self.cfg, self.device)
+
+    def _run(self, coro: Any) -> Any:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop.run_until_complete(coro)
+
+    # ---- the sync ------------------------------------------------------------------------------
+    def sync(self, chunks: list[Any], step: int, version: str | None = None) -> dict[str, float]:
+        """Push ``chunks``' weights to every engine as ``version`` (default: ``step``).
+
+        Returns the metrics (on trainer rank 0; an empty dict elsewhere). Raises
+        :class:`WeightSyncError` naming failed engines, :class:`ParityError` in strict mode.
+        """
+        version = str(step if version is None else version)
+        dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
+        buckets = self.bridge.export(chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype)
+        if _rank() != self.dst:
+            for _ in buckets:  # take part in the gathers
+                pass
+            metrics: dict[str, float] = {}
+        else:
+            metrics = self._run(self._sync_engines(buckets, version))
+        self.num_syncs += 1
+        if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
+            metrics.update(self.check(chunks))
+        if _rank() == self.dst and self.metrics is not None:
+            self.metrics.write({"step": step, **metrics})
+        return metrics
+
+    async def _sync_engines(
+        self, buckets: Iterator[NamedTensors], version: str
+    ) -> dict[str, float]:
+        if self._transport is None:
+            self._transport = self._make_transport()
+        tr = self._transport
+        t0 = time.perf_counter()
+        async with _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s) as engines:
+            failures: dict[str, str] = {}
+
+            def fail(found: Failures, stage: str) -> None:
+                for url, exc in found.items():
+                    failures.setdefault(url, f"{stage}: {_describe(exc)}")
+
+            await self._remember_restore_points(engines)
+            fail(await _pause(engines, self.cfg.pause_mode), "pause")
+            live = [e for e in engines if e.url not in failures]
+            fail(await tr.begin(live, version), "begin")
+            nbytes, nbuckets = 0, 0
+            for bucket in buckets:  # keep iterating after failures: other ranks are gathering
+                live = [e for e in engines if e.url not in failures]
+                nbytes += bucket_nbytes(bucket)
+                nbuckets += 1
+                if live:
+                    fail(await tr.send(live, bucket), f"bucket {nbuckets}")
+            live = [e for e in engines if e.url not in failures]
+            fail(await tr.commit(live, version), "load")
+            await tr.end(engines)
+            transfer_s = time.perf_counter() - t0
+            live = [e for e in engines if e.url not in failures]
+            fail(
+                await _each_call(live, lambda e: e.client.update_weight_version(version)), "version"
+            )
+            for e in engines:
+                if e.url in failures:
+                    failures[e.url] = await self._recover(e, tr, failures[e.url])
+                else:
+                    self.restore_paths[e.url] = (
+                        str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
+                    )
+            await _each_call(
+                [e for e in engines if not e.extra.get("left_paused")],
+                lambda e: e.client.continue_generation(),
+            )
+        if failures:
+            raise WeightSyncError(failures, version)
+        self.version = version
+        total_s = time.perf_counter() - t0
+        return {
+            "sync/time_s": total_s,
+            "sync/transfer_s": transfer_s,
+            "sync/bytes": float(nbytes),
+            "sync/buckets": float(nbuckets),
+            "sync/gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
+        }
+
+    async def _remember_restore_points(self, engines: list[Engine]) -> None:
+        """On first contact, an engine still on its start-up version serves its model_path."""
+        for e in engines:
+            if e.url in self.restore_paths:
+                continue
+            try:
+                info = await e.client.get_model_info()
+            except Exception:
+                info = {}
+            fresh = str(info.get("weight_version")) == self.cfg.initial_version
+            self.restore_paths[e.url] = info.get("model_path") if fresh else None
+
+    async def _recover(self, e: Engine, tr: Transport, reason: str) -> str:
+        """Bring a failed engine back to its old weights (and version), or keep it paused."""
+        if e.applied == 0 or (not tr.incremental and "load" not in reason):
+            return f"{reason} (engine unchanged: old weights and version)"
+        path = self.restore_paths.get(e.url)
+        if path:
+            try:
+                await e.client.update_weights_from_disk(path, flush_cache=True)
+                return f"{reason} (restored the old weights from {path}; version unchanged)"
+            except Exception as ex:
+                reason = f"{reason}; restore from {path} failed: {_describe(ex)}"
+        e.extra["left_paused"] = True
+        return (
+            f"{reason} (engine left PAUSED on partially updated weights; restart it or load a "
+            "checkpoint with /update_weights_from_disk, then /continue_generation)"
+        )
+
+    # ---- parity ----------------------------------------------------------------------------------
+    def check(self, chunks: list[Any]) -> dict[str, float]:
+        """Score the probe on every engine and on the trainer; mean/max |diff| over all."""
+        fn = self.trainer_logprobs_fn or (
+            lambda c, p: parity.trainer_logprobs(c, p, self.bridge.vocab_size)
+        )
+        ours = fn(chunks, self.probe)
+        if _rank() != self.dst:
+            return {}
+
+        async def score() -> list[list[torch.Tensor]]:
+            async with _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s) as engines:
+                return list(
+                    await asyncio.gather(
+                        *(parity.engine_logprobs(e.client, self.probe) for e in engines)
+                    )
+                )
+
+        theirs = self._run(score())
+        stats = [parity.compare(t, ours) for t in theirs]
+        mean = sum(s[0] for s in stats) / len(stats)
+        worst = max(s[1] for s in stats)
+        if mean > self.cfg.max_logprob_diff:
+            msg = (
+                f"engine/trainer logprob mismatch after sync: mean {mean:.3g}, max {worst:.3g} "
+                f"> sync.max_logprob_diff {self.cfg.max_logprob_diff}; check the HF mapping, the "
+                "dtype (sync.dtype) and the engine's model config"
+            )
+            if self.cfg.strict:
+                raise ParityError(msg)
+            log.warning(msg)
+        return {"sync/logprob_abs_diff_mean": mean, "sync/logprob_abs_diff_max": worst}
+
+    def close(self) -> None:
+        if self._transport is not None:
+            if isinstance(self._transport, DistributedTransport) and _rank() == self.dst:
+
+                async def destroy() -> None:
+                    async with _Clients(self.engine_urls, self.api_key, 30) as engines:
+                        await self._transport.destroy(engines)  # type: ignore[union-attr]
+
+                self._run(destroy())
+            self._transport.close()
+            self._transport = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+
+class _Clients:
+    def __init__(self, urls: list[str], api_key: str | None, timeout_s: float) -> None:
+        self.engines = [
+            Engine(u, SGLangClient(u, api_key=api_key, control_timeout_s=timeout_s), i)
+            for i, u in enumerate(urls)
+        ]
+
+    async def __aenter__(self) -> list[Engine]:
+        return self.engines
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.gather(*(e.client.aclose() for e in self.engines))
+
+
+async def _each_call(engines: list[Engine], fn: Callable[[Engine], Any]) -> Failures:
+    results = await asyncio.gather(*(fn(e) for e in engines), return_exceptions=True)
+    return {e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
+
+
+async def _pause(engines: list[Engine], mode: str) -> Failures:
+    async def one(e: Engine) -> None:
+        await e.client.pause_generation(mode)
+        await e.client.flush_cache()
+
+    return await _each_call(engines, one)
