@@ -1,0 +1,179 @@
+"""Weight sync bandwidth per transport against this machine's memcpy, measured in one run.
+
+    python bench/weight_sync.py                      # ~134M-parameter Qwen3, fp32, all transports
+    python bench/weight_sync.py --transports tensor --bucket-mib 512
+
+A real megatron-core trainer (this process, TP=1) loads a random HF Qwen3 and pushes it to a
+real built-in engine server (``python -m titan_rl.engine``) with :class:`WeightSync`; GB/s is
+HF bytes / wall time of the whole transfer (export + send + engine load, pause/flush and version
+bump excluded). memcpy is a plain ``Tensor.copy_`` of one bucket-sized buffer. Each transport
+runs ``--repeats`` times; the best run is reported (the first also pays one-off set-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=4, head_dim=64,
+        max_position_embeddings=1024, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 5) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch pages
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--bucket-mib", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--transports", nargs="+", default=["tensor", "distributed", "disk", "mooncake"]
+    )
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    from titan_core.config.pretrain import PretrainConfig
+    from titan_core.models.gpt import (
+        build_model_chunks,
+        build_transformer_config,
+        padded_vocab_size,
+    )
+    from titan_core.models.hf import HFBridge, model_config_from_hf
+    from titan_core.parallel.initialize import initialize, shutdown
+    from titan_rl.actors.config import EngineServerConfig
+    from titan_rl.actors.server import ServerProcess, free_port
+    from titan_rl.sync import SyncConfig, WeightSync
+
+    tmp = Path(tempfile.mkdtemp(prefix="titan-bench-sync-"))
+    n_params = build_model(tmp / "model", a.hidden, a.layers, a.vocab)
+    print(f"model: Qwen3 {n_params / 1e6:.1f}M parameters, fp32 ({n_params * 4 / 2**20:.0f} MiB)")
+    if n_params < 100e6:
+        print("warning: below 100M parameters; raise --hidden/--layers for a representative run")
+
+    model = model_config_from_hf(tmp / "model", seq_length=64, transformer_impl="local")
+    cfg = PretrainConfig.model_validate(
+        {"model": model.model_dump(), "train": {"micro_batch_size": 1, "global_batch_size": 1,
+                                                 "lr_warmup_iters": 0}}
+    )  # fmt: skip
+    accel, _, _ = initialize(cfg)
+    chunks = build_model_chunks(
+        cfg, build_transformer_config(cfg, accel), padded_vocab_size(model.vocab_size, cfg), accel
+    )
+    HFBridge(tmp / "model").load(chunks, tmp / "model")
+
+    bucket = a.bucket_mib << 20
+    memcpy = memcpy_gbps(bucket)
+    print(f"memcpy: {memcpy:.2f} GB/s ({a.bucket_mib} MiB copy_)")
+
+    engine = ServerProcess(
+        EngineServerConfig(
+            model_path=str(tmp / "model"), backend="builtin", num_threads=1,
+            log_dir=str(tmp / "logs"), startup_timeout_s=300,
+        ),
+        name="bench-engine",
+    )  # fmt: skip
+    engine.start()
+    agent = None
+    rows = []
+    try:
+        for transport in a.transports:
+            extra: dict = {}
+            if transport == "mooncake":
+                if importlib.util.find_spec("mooncake") is None:
+                    print("mooncake: skipped (pip install mooncake-transfer-engine-non-cuda)")
+                    continue
+                port = free_port()
+                agent = subprocess.Popen(
+                    [sys.executable, "-m", "titan_rl.sync.mooncake_agent", "--engine-url",
+                     engine.url, "--port", str(port), "--buffer-bytes", str(bucket)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                extra["mooncake_agents"] = [f"http://127.0.0.1:{port}"]
+                _wait_http(f"http://127.0.0.1:{port}/info", agent)
+            sc = SyncConfig(
+                transport=transport, bucket_bytes=bucket, check_every=0,
+                disk_dir=str(tmp / "disk"), **extra,
+            )  # fmt: skip
+            ws = WeightSync(sc, [engine.url], tmp / "model")
+            best: dict = {}
+            for i in range(a.repeats):
+                m = ws.sync(chunks, step=i + 1, version=f"{transport}-{i + 1}")
+                if not best or m["sync/transfer_s"] < best["sync/transfer_s"]:
+                    best = m
+            ws.close()
+            gbps = best["sync/gbps"]
+            rows.append((transport, best["sync/bytes"], best["sync/transfer_s"], gbps))
+            print(
+                f"{transport:>12}: {best['sync/bytes'] / 2**20:.0f} MiB in "
+                f"{best['sync/transfer_s']:.2f} s = {gbps:.3f} GB/s, {gbps / memcpy:.3f} x memcpy",
+                flush=True,
+            )
+            if agent is not None:
+                agent.terminate()
+                agent.wait(10)
+                agent = None
+    finally:
+        if agent is not None:
+            agent.terminate()
+        engine.stop()
+        shutdown()
+    print("\ntransport   GB/s    ratio to memcpy")
+    for t, _, _, g in rows:
+        print(f"{t:<11} {g:6.3f}  {g / memcpy:.3f}")
+    tensor = [g for t, _, _, g in rows if t == "tensor"]
+    if tensor:
+        ok = tensor[0] / memcpy >= 0.5
+        print(
+            f"goal tensor >= 0.5 x memcpy: {'met' if ok else 'NOT met'} ({tensor[0] / memcpy:.3f})"
+        )
+
+
+def _wait_http(url: str, proc: subprocess.Popen) -> None:
+    import httpx
+
+    for _ in range(200):
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            httpx.get(url, timeout=1).raise_for_status()
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer")
+
+
+if __name__ == "__main__":
+    main()
