@@ -103,6 +103,12 @@ CASES = [
         400,
         "non-empty",
     ),
+    (
+        "/update_weights_from_distributed",
+        {"names": ["x"], "dtypes": ["float33"], "shapes": [[1]]},
+        400,
+        "unknown dtype",
+    ),
     ("/pause_generation", {"mode": "sometimes"}, 400, "mode"),
     ("/abort_request", {}, 400, "rid"),
     ("/release_memory_occupation", {"tags": ["gpu"]}, 400, "tags"),

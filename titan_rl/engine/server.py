@@ -24,6 +24,7 @@ from titan_rl.engine.weights import (
     decode_tensor_payload,
     join_weight_update_group,
     load_safetensors_dir,
+    parse_dtype,
     receive_broadcast,
 )
 
@@ -246,6 +247,8 @@ def create_app(
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         data = await body(request)
+        if not engine.alive:
+            raise HTTPError(503, "the engine's model thread has stopped; restart the server")
         seqs, single = _build_sequences(engine, data)
         await gate.wait()
         if data.get("stream"):
@@ -450,6 +453,11 @@ def create_app(
             return _fail(
                 f"load_format {load_format!r} is not supported; use null or 'flattened_bucket'"
             )
+        try:  # check before joining the broadcast, which cannot be undone
+            for d in dtypes:
+                parse_dtype(d)
+        except RequestError as e:
+            return _fail(str(e))
         pg = state["groups"].get(group)
         if pg is None:
             return _fail(f"no weight update group {group!r}; call /init_weights_update_group first")
