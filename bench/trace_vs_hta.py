@@ -3,11 +3,17 @@ kernel breakdown, each tool in its own subprocess (peak RSS of it and its childr
 
 Goals: Titan at least 20x faster and at most 1/4 of HTA's peak memory. Titan is measured
 cold (no parse cache) and warm (second run over its parse cache).
+
+On a shared machine wall times swing with the load, so each tool also reports its CPU time
+(user + system, children included), and ``--repeat N`` runs every measurement N times,
+interleaved, and prints the medians.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,24 +27,30 @@ import json, logging, resource, sys, time
 logging.disable(logging.WARNING)
 import warnings; warnings.filterwarnings("ignore")
 from hta.trace_analysis import TraceAnalysis
+c0 = sum(x.ru_utime + x.ru_stime for x in (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 t = time.perf_counter()
 ta = TraceAnalysis(trace_dir=sys.argv[1])
 kt, _ = ta.get_gpu_kernel_breakdown(visualize=False, include_memory_kernels=True)
 wall = time.perf_counter() - t
-rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({"wall": wall, "rss_mb": rss / 1024}))
+u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+cpu = sum(x.ru_utime + x.ru_stime for x in u) - c0
+rss = max(x.ru_maxrss for x in u)
+print(json.dumps({"wall": wall, "cpu": cpu, "rss_mb": rss / 1024}))
 """
 
 TITAN = r"""
 import json, resource, sys, time
 from titan_core.trace.analyze import build_summary, load_ranks
 cache = sys.argv[2] if sys.argv[2] != "-" else None
+c0 = sum(x.ru_utime + x.ru_stime for x in (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 t = time.perf_counter()
 res, probs = load_ranks(sys.argv[1], cache_dir=cache, progress=False)
 s = build_summary(res, probs)
 wall = time.perf_counter() - t
-rss = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-print(json.dumps({"wall": wall, "rss_mb": rss / 1024}))
+u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+cpu = sum(x.ru_utime + x.ru_stime for x in u) - c0
+rss = max(x.ru_maxrss for x in u)
+print(json.dumps({"wall": wall, "cpu": cpu, "rss_mb": rss / 1024}))
 """
 
 
@@ -49,21 +61,33 @@ def run(code: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _median(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=1, help="runs per measurement (medians)")
+    args = ap.parse_args()
     print(
         f"{'traces':<22}{'HTA s':>8}{'HTA MB':>8}{'Titan s':>9}{'MB':>7}{'warm s':>8}{'speedup':>9}{'warm x':>8}{'mem ratio':>10}"
+        f"{'HTA cpu':>9}{'Titan cpu':>10}{'cpu x':>8}"
     )
     for sub in DIRS:
         d = str(TRACES / sub)
-        h = run(HTA, d)
-        cold = run(TITAN, d, "-")
-        with tempfile.TemporaryDirectory() as cache:
-            run(TITAN, d, cache)
-            warm = run(TITAN, d, cache)
+        hs, colds, warms = [], [], []
+        for _ in range(args.repeat):
+            hs.append(run(HTA, d))
+            colds.append(run(TITAN, d, "-"))
+            with tempfile.TemporaryDirectory() as cache:
+                run(TITAN, d, cache)
+                warms.append(run(TITAN, d, cache))
+        h, cold, warm = _median(hs), _median(colds), _median(warms)
         print(
             f"{sub:<22}{h['wall']:8.2f}{h['rss_mb']:8.0f}{cold['wall']:9.2f}{cold['rss_mb']:7.0f}"
             f"{warm['wall']:8.2f}{h['wall'] / cold['wall']:8.1f}x{h['wall'] / warm['wall']:7.1f}x"
             f"{cold['rss_mb'] / h['rss_mb']:10.2f}"
+            f"{h['cpu']:9.2f}{cold['cpu']:10.2f}{h['cpu'] / max(cold['cpu'], 1e-3):7.1f}x"
         )
 
 
