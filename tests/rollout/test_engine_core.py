@@ -280,3 +280,29 @@ def test_prompt_longer_than_context_rejected(tiny_model: Path) -> None:
         assert seq.max_new == 2  # clipped to the context
     finally:
         eng.shutdown()
+
+
+def test_model_error_fails_its_requests_and_engine_keeps_serving(tiny_model: Path) -> None:
+    eng = Engine(str(tiny_model), num_threads=1)
+    original = eng.model.forward
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] in (1, 4):  # the first prefill, then a later decode step
+            raise RuntimeError("injected failure")
+        return original(*args, **kwargs)
+
+    eng.model.forward = flaky
+    try:
+        spec = {"prompt": [4, 5], "params": {"max_new_tokens": 6, "ignore_eos": True}}
+        failed = run_batch(eng, [spec])[0]
+        assert failed["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "injected failure" in failed["meta_info"]["finish_reason"]["message"]
+        failed = run_batch(eng, [spec])[0]  # fails at its second decode step
+        assert failed["meta_info"]["finish_reason"]["type"] == "abort"
+        ok = run_batch(eng, [spec])[0]
+        assert ok["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        assert eng.alive
+    finally:
+        eng.shutdown()

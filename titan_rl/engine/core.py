@@ -58,6 +58,16 @@ class Sequence:
     text: str | None = None
 
 
+def _rid_matches(seq_rid: str, rid: str | None) -> bool:
+    """``rid`` itself, or one of its ``n`` > 1 copies (``{rid}_{i}``)."""
+    if not rid:
+        return False
+    if seq_rid == rid:
+        return True
+    prefix = rid + "_"
+    return seq_rid.startswith(prefix) and seq_rid[len(prefix) :].isdigit()
+
+
 def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     if n == 0:
         return t
@@ -245,7 +255,7 @@ class Engine:
             kept = deque()
             while self._pending:
                 s = self._pending.popleft()
-                if abort_all or s.rid == rid or (rid and s.rid.startswith(rid + "_")):
+                if abort_all or _rid_matches(s.rid, rid):
                     s.finish_reason = {"type": "abort", "message": message}
                     self._finish(s)
                     n += 1
@@ -254,7 +264,7 @@ class Engine:
             self._pending = kept
         keep = []
         for i, s in enumerate(self.active):
-            if abort_all or s.rid == rid or (rid and s.rid.startswith(rid + "_")):
+            if abort_all or _rid_matches(s.rid, rid):
                 s.finish_reason = {"type": "abort", "message": message}
                 self._finish(s)
                 n += 1
@@ -336,7 +346,16 @@ class Engine:
         for length, seqs in groups.items():
             per = max(1, self.max_prefill_tokens // length)
             for i in range(0, len(seqs), per):
-                self._prefill(seqs[i : i + per])
+                chunk = seqs[i : i + per]
+                try:
+                    self._prefill(chunk)
+                except Exception as e:  # fail this chunk only; the running batch is intact
+                    log.exception("prefill failed")
+                    for seq in chunk:
+                        if seq.finish_reason is None and seq not in self.active:
+                            seq.error = f"internal engine error in prefill: {type(e).__name__}: {e}"
+                            seq.finish_reason = {"type": "abort", "message": seq.error}
+                            self._finish(seq)
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache
