@@ -91,6 +91,12 @@ def test_typed_config_names_the_bad_key(tmp_path: Path) -> None:
     bad.write_text("server:\n  model_path: /m\n  tp_szie: 2\n")
     with pytest.raises(ConfigError, match=r"server\.tp_szie: unknown key"):
         load_config(RolloutEnginesConfig, bad)
+    with pytest.raises(ConfigError, match="leave server.port unset"):
+        load_config(
+            RolloutEnginesConfig,
+            None,
+            ["num_engines=2", "server.model_path=/m", "server.port=30000"],
+        )
     with pytest.raises(ConfigError, match="tp_size 1"):
         load_config(
             RolloutEnginesConfig,

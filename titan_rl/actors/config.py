@@ -64,3 +64,11 @@ class RolloutEnginesConfig(Section):
     num_engines: int = Field(1, ge=1)
     server: EngineServerConfig
     router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutEnginesConfig:
+        if self.server.port is not None and self.num_engines > 1:
+            raise ValueError("server.port is fixed but num_engines > 1; leave server.port unset")
+        if self.num_engines > 1 and not self.router.enabled:
+            raise ValueError("num_engines > 1 needs router.enabled: true (one URL for the client)")
+        return self

@@ -81,18 +81,20 @@ class RolloutEngineGroup:
 
         actor_cls = _ray_actor_class()
         server = self.cfg.server
-        if server.port is not None and self.cfg.num_engines > 1:
-            raise ValueError("rollout.server.port is fixed but num_engines > 1; leave port unset")
         self.actors = [
             actor_cls.remote(server.model_dump(), name=f"engine{i}")
             for i in range(self.cfg.num_engines)
         ]
-        self.urls = ray.get([a.start.remote() for a in self.actors])
-        if self.cfg.router.enabled:
-            self.router = RouterProcess(self.cfg.router, api_key=server.api_key)
-            self.router.start()
-            for url in self.urls:
-                self.router.add_worker(url)
+        try:
+            self.urls = ray.get([a.start.remote() for a in self.actors])
+            if self.cfg.router.enabled:
+                self.router = RouterProcess(self.cfg.router, api_key=server.api_key)
+                self.router.start()
+                for url in self.urls:
+                    self.router.add_worker(url)
+        except BaseException:
+            self.stop()  # leave no half-started servers behind
+            raise
         return self.url
 
     def stop(self) -> None:
