@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -17,6 +18,12 @@ from pathlib import Path
 
 from titan_core.trace.analyze import build_summary, load_ranks
 from titan_core.trace.synth import write_job
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children (the worker pool)."""
+    u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(x.ru_utime + x.ru_stime for x in u)
 
 
 def main() -> None:
@@ -44,9 +51,11 @@ def main() -> None:
     )
     gen = time.perf_counter() - t
     size = sum(p.stat().st_size for p in d.iterdir())
+    c0 = _cpu()
     t0 = time.perf_counter()
     results, problems = load_ranks(d, workers=args.workers, progress=True)
     t1 = time.perf_counter()
+    c1 = _cpu()
     summary = build_summary(results, problems)
     t2 = time.perf_counter()
     events = sum(r.n_events for r in results)
@@ -59,6 +68,12 @@ def main() -> None:
     print(f"parse+per-rank: {t1 - t0:.1f}s on {cores} cores; cross-rank: {t2 - t1:.1f}s")
     print(f"total analysis: {t2 - t0:.1f}s for {ranks} ranks (goal < 600s on 2 cores)")
     print(f"projected 10,000 ranks on 64 cores: {proj:.0f}s")
+    # the same from CPU seconds (this machine may be shared: wall time then includes waits)
+    proj_cpu = (c1 - c0) * 10_000 / ranks / 64 + (t2 - t1) * 10_000 / ranks
+    print(
+        f"parse+per-rank CPU: {c1 - c0:.1f}s ({(c1 - c0) / ranks * 1e3:.0f} ms/rank); "
+        f"projected from CPU time: {proj_cpu:.0f}s"
+    )
     print(
         f"slow ranks: {[e['rank'] for e in summary['slow_ranks'][:3]]} (injected {ranks // 2 + 1})"
     )
