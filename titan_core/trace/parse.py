@@ -1,18 +1,21 @@
 """Parse one Kineto trace file into compact columns, keeping only what the analyses use.
 
-The file is decompressed in pieces of about 64 KB, each cut at an event boundary and decoded by msgspec straight into typed structs that
-name only the needed fields (the rest of each event, and most of ``args``, is skipped
-without becoming Python objects). Each piece is then sorted into a few small groups and
-dropped, so neither the whole text nor all its events are ever alive at once:
+The file is decompressed in pieces of about 64 KB into one reused buffer, cut at event
+boundaries and decoded in place by msgspec straight into typed structs that name only the
+needed fields: events of other phases than "X" (flows, instants, metadata) decode to
+empty structs, and the rest of each event (most of ``args``) is skipped without becoming
+Python objects. Each piece is then sorted into a few small groups and dropped, so neither
+the whole text nor all its events are ever alive at once:
 
 - device events (kernels, copies, sets): times, name, stream, correlation, comm args;
 - launches: (correlation, start, thread) of host events carrying a correlation id;
 - host ranges the analyses look at by name: ``ProfilerStep#N``, ``titan/...`` and host
   comm ranges (``nccl:all_reduce``, ``record_param_comms``...);
-- plain CPU ops as (start, end, thread): the compute stream of CPU-only traces.
+- plain CPU ops as (start, end, thread): the compute stream of CPU-only traces (kept only
+  when a first read finds no device events and no Titan microbatch ranges).
 
-Everything else (python_function, other cpu ops' names, flows, instant events, counters)
-is counted and dropped. Nothing here imports numpy or polars. Timestamps follow HTA's
+Everything else (python_function, plain cpu ops, flows, instant events, counters) is
+dropped; complete events are counted. Nothing here imports numpy or polars. Timestamps follow HTA's
 convention (start rounded up, end rounded down to whole microseconds) so interval sums
 agree with it. A parse cache (msgpack, keyed by path, mtime, size and config) makes
 re-analysis of the same files cheap.
