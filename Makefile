@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint format system-deps clean
+.PHONY: demo pretrain test lint format system-deps clean
 
 $(BIN)/python:
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -25,7 +25,11 @@ system-deps:
 	  { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 liburing2 libcurl4 >/dev/null; }; \
 	fi
 
+# The main job: GRPO on the arithmetic task (pretrains its base first if missing).
 demo: $(STAMP)
+	$(BIN)/python -m titan_rl.grpo --config examples/math.yaml
+
+pretrain: $(STAMP)
 	$(BIN)/python -m titan_core.pretrain --config examples/pretrain_tiny.yaml
 
 test: $(STAMP)

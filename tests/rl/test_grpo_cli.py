@@ -14,9 +14,7 @@ from titan_rl.config import GRPOConfig, RLDataConfig
 from titan_rl.data import DatasetError, PromptSampler, load_file_prompts, load_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted(
-    p for p in (REPO / "examples").glob("math*.yaml")
-)
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("math*.yaml"))
 
 
 def _grpo(*args: str) -> subprocess.CompletedProcess:
@@ -41,7 +39,10 @@ def test_unknown_key_exits_2():
 @pytest.mark.parametrize(
     "override, needle",
     [
-        (["rollout.n_samples_per_prompt=1", "train.micro_batch_size=32"], "n_samples_per_prompt >= 2"),
+        (
+            ["rollout.n_samples_per_prompt=1", "train.micro_batch_size=32"],
+            "n_samples_per_prompt >= 2",
+        ),
         (["train.micro_batch_size=7"], "divisible by train.micro_batch_size"),
         (["data.type=jsonl"], "data.path is required"),
         (["sync.transport=carrier_pigeon"], "sync.transport"),

@@ -49,6 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from titan_core.accelerator.base import Accelerator
+from titan_core.accelerator.cpu import InertEvent, InertStream
 
 _PATCHES: list[tuple[Any, str, Any]] = []
 _MODE: TorchFunctionMode | None = None
@@ -138,8 +139,9 @@ def _install_cpu(accel: Accelerator) -> None:
     _MODE = _CpuDeviceMode()
     _MODE.__enter__()
     # 4. streams and events
-    _patch(cuda, "Stream", accel.Stream)
-    _patch(cuda, "Event", accel.Event)
+    # classes, not bound methods: other libraries annotate with ``torch.cuda.Stream | None``
+    _patch(cuda, "Stream", InertStream)
+    _patch(cuda, "Event", InertEvent)
     _patch(cuda, "current_stream", accel.current_stream)
     _patch(cuda, "default_stream", accel.default_stream)
     _patch(cuda, "stream", lambda s=None: contextlib.nullcontext())

@@ -9,6 +9,7 @@ work as in pretraining), and exports HF weights bucket by bucket for weight sync
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -36,8 +37,14 @@ from titan_rl.trainer.batch import RLBatch
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position; vocab-parallel under TP (megatron's cross entropy)."""
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets)
+    """log p(target) per position; vocab-parallel under TP (megatron's cross entropy).
+
+    megatron's cross entropy works in place on its input: hand it a private copy.
+    """
+    x = logits.float().contiguous()
+    if x.data_ptr() == logits.data_ptr():
+        x = x.clone()
+    return -tensor_parallel.vocab_parallel_cross_entropy(x, targets.contiguous())
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -194,6 +201,7 @@ class PolicyTrainer:
     def train(self, batch: RLBatch) -> dict[str, float]:
         """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics."""
         cfg = self.cfg
+        start = time.perf_counter()
         rows = self._local_rows(batch)
         old = self.logprobs(batch)
         ref = self.logprobs(batch, reference=True)
@@ -250,6 +258,8 @@ class PolicyTrainer:
                 metrics[f"train/{key}"] = float(torch.stack([o[key] for o in out]).mean())
         metrics["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        # measured inside the trainer, so the driver can tell compute from orchestration
+        metrics["time/train_compute"] = time.perf_counter() - start
         return self._reduce_metrics(metrics)
 
     def _global_sum(self, value: torch.Tensor) -> float:

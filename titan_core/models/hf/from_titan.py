@@ -12,7 +12,9 @@ from titan_core.config.loader import ConfigError
 from titan_core.config.pretrain import ModelConfig
 
 
-def llama_config_for(model: ModelConfig, vocab_size: int, eos_token_id: int | None = None) -> dict[str, Any]:
+def llama_config_for(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None
+) -> dict[str, Any]:
     """A transformers ``LlamaConfig`` dict with the same shapes and numerics as ``model``."""
     problems = []
     if model.num_moe_experts:
