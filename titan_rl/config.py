@@ -75,6 +75,8 @@ class RLDataConfig(Section):
     label_key: str = "label"
     apply_chat_template: bool = False
     num_digits: PositiveInt = 3
+    #: arithmetic: "plain" (57+8=65) or "aligned" (57+08=560: padded, sum reversed).
+    arithmetic_format: Literal["plain", "aligned"] = "plain"
     num_eval: PositiveInt = 500
     tokenizer_type: Literal["byte", "hf"] = "byte"
     tokenizer_model: str | None = None

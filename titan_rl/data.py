@@ -103,7 +103,9 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
     """Training (``split="train"``) or held-out (``"eval"``) prompts."""
     if cfg.type == "arithmetic":
         count = num or (100_000 if split == "train" else cfg.num_eval)
-        probs = generate_problems(count, cfg.num_digits, seed=seed, split=split)
+        probs = generate_problems(
+            count, cfg.num_digits, seed=seed, split=split, fmt=cfg.arithmetic_format
+        )
         return PromptSet([Prompt(p.prompt, p.answer, {}) for p in probs], 0, "arithmetic")
     path = cfg.path if split == "train" else (cfg.eval_path or cfg.path)
     ps = load_file_prompts(path, cfg)

@@ -147,6 +147,8 @@ class DataConfig(Section):
     tokenizer_model: str | None = None
     #: arithmetic corpus: digits per operand and number of problems.
     num_digits: PositiveInt = 3
+    #: arithmetic: "plain" (57+8=65) or "aligned" (57+08=560: padded, sum reversed).
+    arithmetic_format: Literal["plain", "aligned"] = "plain"
     num_samples: PositiveInt = 200_000
     cache_dir: str | None = None
 

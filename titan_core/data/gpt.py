@@ -20,11 +20,16 @@ def _data_cache_dir(cfg: PretrainConfig) -> Path:
 def arithmetic_corpus_prefix(cfg: PretrainConfig, tokenizer) -> Path:  # noqa: ANN001
     """Write (once) the arithmetic corpus as an indexed dataset; return its prefix."""
     d = cfg.data
-    prefix = _data_cache_dir(cfg) / f"arith_d{d.num_digits}_n{d.num_samples}_s{cfg.train.seed}"
+    prefix = (
+        _data_cache_dir(cfg)
+        / f"arith_{d.arithmetic_format}_d{d.num_digits}_n{d.num_samples}_s{cfg.train.seed}"
+    )
     if not indexed_dataset_exists(prefix):
         docs = (
             tokenizer.tokenize(p.text + "\n")
-            for p in generate_problems(d.num_samples, d.num_digits, seed=cfg.train.seed)
+            for p in generate_problems(
+                d.num_samples, d.num_digits, seed=cfg.train.seed, fmt=d.arithmetic_format
+            )
         )
         write_indexed_dataset(docs, prefix, tokenizer.vocab_size, tokenizer.eod)
     return prefix

@@ -113,6 +113,39 @@ def _microbatch_count(first: RankResult) -> tuple[int | None, int]:
     return None, 1
 
 
+def _union_length(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
+    total, cur_s, cur_e = 0, None, None
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if cur_e is None or a > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = a, b
+        else:
+            cur_e = max(cur_e, b)
+    if cur_e is not None:
+        total += cur_e - cur_s
+    return total
+
+
+def _schedule_windows(
+    members: list[RankResult], windows: dict[int, tuple[int, int]]
+) -> dict[int, tuple[int, int]]:
+    """Per step: the span of all members' microbatch ranges, where every member has some."""
+    out = {}
+    for n in windows:
+        spans = []
+        for r in members:
+            mbs = [(a, b) for s in r.steps if s.step == n for *_, a, b in s.microbatches]
+            if not mbs:
+                break
+            spans.extend(mbs)
+        else:
+            out[n] = (min(a for a, _ in spans), max(b for _, b in spans))
+    return out
+
+
 def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[str, Any]:
     by_rank = {r.rank: r for r in results}
     out_groups = []
@@ -127,20 +160,34 @@ def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[
             lo = min(s.start for r in members for s in r.steps if s.step == n)
             hi = max(s.end for r in members for s in r.steps if s.step == n)
             windows[n] = (lo, hi)
+        # With Titan's microbatch ranges, the bubble is measured over the schedule itself
+        # (first microbatch start to last microbatch end across the group), as the
+        # schedule's theoretical ratio counts it; the whole-step figure stays beside it.
+        sched = _schedule_windows(members, windows)
         stages = []
         for si, r in enumerate(members):
-            ratios, bubble = [], 0
+            ratios, step_ratios, bubble = [], [], 0
             for s in r.steps:
-                if s.step in windows:
-                    lo, hi = windows[s.step]
-                    idle = (hi - lo) - s.computation
-                    ratios.append(idle / max(1, hi - lo))
-                    bubble += idle
+                if s.step not in windows:
+                    continue
+                lo, hi = windows[s.step]
+                step_idle = (hi - lo) - s.computation
+                step_ratios.append(step_idle / max(1, hi - lo))
+                if s.step in sched:
+                    slo, shi = sched[s.step]
+                    busy = _union_length([(a, b) for *_, a, b in s.microbatches], slo, shi)
+                    idle = (shi - slo) - busy
+                    ratios.append(idle / max(1, shi - slo))
+                else:
+                    idle = step_idle
+                    ratios.append(step_ratios[-1])
+                bubble += idle
             stages.append(
                 {
                     "stage": si,
                     "rank": r.rank,
                     "bubble_ratio": round(mean(ratios), 4) if ratios else None,
+                    "step_bubble_ratio": round(mean(step_ratios), 4) if step_ratios else None,
                     "bubble_us": int(bubble / max(1, len(ratios))),
                     "compute_us": int(
                         mean([s.computation for s in r.steps if s.step in windows] or [0])

@@ -1,9 +1,10 @@
 """PyTorch profiler traces of chosen steps (``profile.steps``), one file per rank.
 
-Traces land in ``<run.dir>/traces/rank{R}.step{S}.json`` and are what
-``python -m titan_core.trace analyze`` reads; microbatch forwards carry
-``titan/microbatch/{fwd|bwd}/mb{M}/vs{V}`` ranges (see ``annotate.py``), so pipeline
-analysis needs no guessing.
+The profiler runs from the first to the last listed step and writes
+``<run.dir>/traces/rank{R}.json`` with a ``ProfilerStep#N`` range per step; microbatch
+forwards and backwards carry ``titan/microbatch/{fwd|bwd}/mb{M}/vs{V}`` ranges and the
+schedule a ``titan/schedule`` range (see ``annotate.py``), so
+``python -m titan_core.trace analyze <run.dir>/traces`` needs no guessing.
 """
 
 from __future__ import annotations
@@ -20,29 +21,37 @@ from titan_core.config.pretrain import PretrainConfig
 class StepProfiler:
     def __init__(self, cfg: PretrainConfig, rank: int, device_type: str = "cpu") -> None:
         self.device_type = device_type
-        self.steps = set(cfg.profile.steps)
+        steps = sorted(cfg.profile.steps)
+        self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)
         self.dir = Path(cfg.profile.dir or Path(cfg.run.dir) / "traces")
         self.rank = rank
         self.with_stack = cfg.profile.with_stack
+        self._prof: torch.profiler.profile | None = None
 
     def active(self, step: int) -> bool:
-        return step in self.steps
+        return self.first <= step <= self.last
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        if step not in self.steps:
+        if not self.active(step):
             yield
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device_type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with (
-            torch.profiler.profile(activities=activities, with_stack=self.with_stack) as prof,
-            torch.profiler.record_function(f"ProfilerStep#{step}"),
-        ):
+        if self._prof is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device_type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities, with_stack=self.with_stack)
+            self._prof.__enter__()
+        with torch.profiler.record_function(f"ProfilerStep#{step}"):
             yield
-        prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.step{step}.json"))
+        if step == self.last:
+            self.close()
 
     def close(self) -> None:
-        pass
+        """Stop and write the trace (also when a run ends inside the profiled window)."""
+        if self._prof is None:
+            return
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(self.dir / f"rank{self.rank}.json"))
