@@ -65,7 +65,13 @@ def _full_state(model: list, optimizer: Any, is_loading: bool) -> dict[str, Any]
     state = _model_state(model)
     if optimizer is not None:
         # The nested dict as is: chunks share local key names, their sharded keys differ.
-        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+        # fully_reshardable: the distributed optimizer's state is saved per parameter (the
+        # default flattened layout is not loadable by the torch_dist strategy in 0.16).
+        state["optimizer"] = optimizer.sharded_state_dict(
+            dict(state),
+            is_loading=is_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+        )
     return state
 
 

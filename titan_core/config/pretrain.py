@@ -235,6 +235,11 @@ class PretrainConfig(Section):
                     f"model.num_moe_experts ({m.num_moe_experts}) must be divisible by "
                     f"parallel.expert_model_parallel_size ({p.expert_model_parallel_size})"
                 )
+        if p.context_parallel_size > 1:
+            raise ValueError(
+                "parallel.context_parallel_size > 1 is not supported yet (the data path does "
+                "not split sequences across CP ranks); set it to 1"
+            )
         if p.sequence_parallel and p.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
         if self.train.global_batch_size % self.train.micro_batch_size:
