@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-TRACES = Path("/work/shared/traces/hta-tests")
+# shared/ lies beside the checkout (CI copies it there); TITAN_SHARED overrides.
+TRACES = (
+    Path(os.environ.get("TITAN_SHARED") or Path(__file__).resolve().parents[1].parent / "shared")
+    / "traces"
+    / "hta-tests"
+)
 DIRS = ["df_index_resolver", "trace_diff/control", "nccl_parser_config", "trace_filter"]
 
 HTA = r"""

@@ -1,8 +1,14 @@
+import os
 from pathlib import Path
 
 import pytest
 
-TRACES = Path("/work/shared/traces/hta-tests")
+# shared/ lies beside the checkout (CI copies it there); TITAN_SHARED overrides.
+TRACES = (
+    Path(os.environ.get("TITAN_SHARED") or Path(__file__).resolve().parents[2].parent / "shared")
+    / "traces"
+    / "hta-tests"
+)
 
 
 @pytest.fixture(scope="session")
