@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml | $(BIN)/python system-deps
 	$(BIN)/pip install -q -e ".[test]"
 	@touch $(STAMP)
 
