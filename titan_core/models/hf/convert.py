@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_core.checkpoint.dist import unwrap
 from titan_core.config.loader import ConfigError
 from titan_core.config.pretrain import ModelConfig
 from titan_core.models.hf.families import (
@@ -196,12 +197,6 @@ _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"local_experts\.(\d+)\.")
 
 
-def _unwrap(module: Any) -> Any:
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 class HFBridge:
     """Maps one HF checkpoint family onto Titan's megatron-core GPT (local layer spec)."""
 
@@ -220,7 +215,7 @@ class HFBridge:
     def _items(self, chunks: list[Any], layout: Layout) -> list[_Item]:
         items: list[_Item] = []
         for chunk in chunks:
-            model = _unwrap(chunk)
+            model = unwrap(chunk)
             for mname, p in model.named_parameters():
                 items.append(self._item(model, mname, p, layout))
         return items
