@@ -22,7 +22,8 @@ def base(tmp_path_factory) -> Path:
     subprocess.run(
         [sys.executable, "-m", "titan_core.pretrain", "--config",
          str(REPO / "examples/pretrain_math_base.yaml"), f"run.dir={d}", "train.train_iters=20",
-         "train.lr_warmup_iters=2", "data.num_samples=20000"],
+         "train.lr_warmup_iters=2", "data.num_samples=20000", "train.micro_batch_size=16",
+         "train.global_batch_size=32", "train.lr=3e-3"],
         check=True, capture_output=True, cwd=REPO,
     )  # fmt: skip
     return d / "checkpoints"
