@@ -204,7 +204,7 @@ def run(cfg: GRPOConfig) -> int:
             )
         )  # fmt: skip
         url = engines.start()
-        trainers.connect_engines(engines.urls, None)
+        trainers.connect_engines(engines.urls)
         client = SGLangClient(url, api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency)
         if start == 0:
             acc = aio.run_until_complete(loop.evaluate(client))

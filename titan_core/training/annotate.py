@@ -52,11 +52,10 @@ class MicrobatchAnnotator:
     def __init__(self, chunks: list[torch.nn.Module]) -> None:
         self.active = False
         self._count: dict[int, int] = {}
-        for vs, chunk in enumerate(chunks):
+        for chunk in chunks:
             decoder = getattr(chunk, "decoder", None)
             if decoder is not None:
                 decoder.register_forward_pre_hook(self._close_on_input, with_kwargs=True)
-            del vs
 
     def _close_on_input(self, module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not self.active:

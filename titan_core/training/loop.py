@@ -133,7 +133,6 @@ class Trainer:
         self.save_dir = Path(cfg.checkpoint.save or self.run_dir / "checkpoints")
         self.step = 0
         self.consumed_samples = 0
-        self.resumed_from: int | None = None
 
     # ---- checkpoints ---------------------------------------------------------------
     def maybe_resume(self) -> None:
@@ -145,7 +144,6 @@ class Trainer:
             self.step = int(common["step"])
             self.consumed_samples = int(common["consumed_samples"])
             self.scheduler.load_state_dict(common["scheduler"])
-            self.resumed_from = iteration
             self._say(f"resumed from {load_dir} at step {self.step}")
         elif ck.pretrained_checkpoint:
             root = Path(ck.pretrained_checkpoint)

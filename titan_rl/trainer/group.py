@@ -38,19 +38,17 @@ class TrainerWorker:
     def save_hf(self, path: str) -> None:
         self.trainer.save_hf(path)
 
-    def connect_engines(self, urls: list[str], metrics_path: str | None) -> None:
+    def connect_engines(self, urls: list[str]) -> None:
+        """Sync metrics come back from ``sync_weights``; the driver writes metrics.jsonl."""
         from titan_core.checkpoint.dist import unwrap
-        from titan_core.training.metrics import MetricsWriter
         from titan_rl.sync.sync import WeightSync
 
         self._chunks = [unwrap(c) for c in self.trainer.model]
-        writer = MetricsWriter(metrics_path) if (metrics_path and self.rank == 0) else None
         self.sync = WeightSync(
             self.cfg.sync,
             urls,
             self.trainer.hf_config,
             api_key=self.cfg.engines.api_key,
-            metrics=writer,
             device=self.trainer.accel.device(),
         )
 
@@ -109,8 +107,8 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)
 
-    def connect_engines(self, urls: list[str], metrics_path: str | None) -> None:
-        self._all("connect_engines", urls, metrics_path)
+    def connect_engines(self, urls: list[str]) -> None:
+        self._all("connect_engines", urls)
 
     def sync_weights(self, step: int) -> dict[str, float]:
         return self._all("sync_weights", step)[0]
