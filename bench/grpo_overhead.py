@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,9 +43,9 @@ def main() -> None:
         ]  # fmt: skip
         if args.base:
             cmd.append(f"policy.load={args.base}")
-        wall_start = __import__("time").perf_counter()
+        wall_start = time.perf_counter()
         subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
-        total = __import__("time").perf_counter() - wall_start
+        total = time.perf_counter() - wall_start
         recs = [r for r in read_metrics(Path(tmp) / "metrics.jsonl") if "time/step" in r]
     recs = recs[WARMUP:]
     parts = ("time/rollout", "time/train_compute", "time/sync", "time/eval")

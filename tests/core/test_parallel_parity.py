@@ -101,3 +101,52 @@ def test_expert_parallel_overlap_matches_plain_schedule(tmp_path):
         nproc=2,
     )
     assert losses(tmp_path / "overlap") == pytest.approx(losses(tmp_path / "plain"), rel=1e-3)
+
+
+SFT_EVAL = [
+    "data.type=arithmetic_sft",
+    "train.eval_interval=3",
+    "train.eval_iters=2",
+]
+
+
+def _eval_record(run_dir) -> dict:  # noqa: ANN001
+    from titan_core.training.metrics import read_metrics
+
+    (record,) = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/loss" in r]
+    return record
+
+
+@pytest.fixture(scope="module")
+def sft_eval_reference(tmp_path_factory, dense_seed) -> dict:
+    d = tmp_path_factory.mktemp("sft_ref")
+    run_pretrain(
+        TINY,
+        [
+            *FAST,
+            *STEPS,
+            *SFT_EVAL,
+            f"run.dir={d}",
+            f"checkpoint.pretrained_checkpoint={dense_seed}",
+        ],
+    )
+    return _eval_record(d)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.tensor_model_parallel_size=2"], ["parallel.pipeline_model_parallel_size=2"]],
+    ids=["tp2", "pp2"],
+)
+def test_eval_matches_single_process(tmp_path, dense_seed, sft_eval_reference, layout):
+    """Eval loss and exact match (logits gathered over TP, reduced from the last stage)."""
+    run_pretrain(
+        TINY,
+        [*FAST, *STEPS, *SFT_EVAL, *layout, f"run.dir={tmp_path}",
+         f"checkpoint.pretrained_checkpoint={dense_seed}"],
+        nproc=2,
+    )  # fmt: skip
+    got = _eval_record(tmp_path)
+    assert got["step"] == 3
+    assert got["eval/loss"] == pytest.approx(sft_eval_reference["eval/loss"], rel=1e-4)
+    assert got["eval/accuracy"] == sft_eval_reference["eval/accuracy"]

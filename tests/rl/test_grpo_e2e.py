@@ -17,16 +17,32 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    """A briefly pretrained base policy (the same shape as examples/math.yaml's)."""
+    """examples/math.yaml's base policy, pretrained by its own recipe (~2 minutes)."""
     d = tmp_path_factory.mktemp("base")
     subprocess.run(
         [sys.executable, "-m", "titan_core.pretrain", "--config",
-         str(REPO / "examples/pretrain_math_base.yaml"), f"run.dir={d}", "train.train_iters=20",
-         "train.lr_warmup_iters=2", "data.num_samples=20000", "train.micro_batch_size=16",
-         "train.global_batch_size=32", "train.lr=3e-3"],
+         str(REPO / "examples/pretrain_math_base.yaml"), f"run.dir={d}"],
         check=True, capture_output=True, cwd=REPO,
     )  # fmt: skip
     return d / "checkpoints"
+
+
+def test_default_task_accuracy_rises(tmp_path, base):
+    """The demo's own settings, shortened: held-out accuracy rises within 40 GRPO steps
+    (measured: 0.41 -> 0.55; the full 200-step demo ends near 0.69)."""
+    run_dir = tmp_path / "math"
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
+         f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=40",
+         "run.eval_interval=20", "run.save_interval=0"],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 20, 40]
+    first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
+    assert first > 0.1, f"the base answers only {first:.1%} of held-out problems"
+    assert last >= first + 0.05, f"held-out accuracy went {first:.3f} -> {last:.3f}"
 
 
 def _grpo(run_dir: Path, base: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:

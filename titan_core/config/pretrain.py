@@ -112,7 +112,10 @@ class TrainConfig(Section):
     bf16: bool = False
     fp16: bool = False
     log_interval: PositiveInt = 1
+    #: evaluate every N steps and at the end (eval/loss; eval/accuracy for arithmetic_sft:
+    #: teacher-forced greedy exact match on held-out problems); None: never.
     eval_interval: PositiveInt | None = None
+    #: global batches per evaluation.
     eval_iters: PositiveInt = 4
     #: FP8 training through Transformer Engine ("e4m3" / "hybrid"); GPU only.
     fp8: Literal["e4m3", "hybrid"] | None = None
@@ -136,10 +139,12 @@ class TrainConfig(Section):
 
 
 class DataConfig(Section):
-    #: arithmetic: generated a+b=c corpus (learnable, no download); indexed: Megatron
+    #: arithmetic: generated a+b=c corpus (learnable, no download), packed, loss on every
+    #: token; arithmetic_sft: the same problems one per row, loss on the answer only (what
+    #: a model that must answer them needs: see titan_core/data/sft.py); indexed: Megatron
     #: .bin/.idx files from ``titan_core.data.preprocess``; synthetic: a fixed random-walk
     #: corpus for tests.
-    type: Literal["arithmetic", "indexed", "synthetic"] = "arithmetic"
+    type: Literal["arithmetic", "arithmetic_sft", "indexed", "synthetic"] = "arithmetic"
     #: Megatron blend: ["path_prefix"] or ["w1", "prefix1", "w2", "prefix2"].
     data_path: list[str] = Field(default_factory=list)
     split: str = "98,2,0"

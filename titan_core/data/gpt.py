@@ -66,6 +66,25 @@ def build_gpt_datasets(cfg: PretrainConfig, tokenizer, train_samples: int, valid
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+    if cfg.data.type == "arithmetic_sft":
+        from titan_core.data.sft import arithmetic_sft_dataset
+
+        d = cfg.data
+
+        def rows(num: int, split: str):  # noqa: ANN202
+            return arithmetic_sft_dataset(
+                num,
+                d.num_digits,
+                cfg.train.seed,
+                d.arithmetic_format,
+                cfg.model.seq_length,
+                tokenizer,
+                split=split,
+            )
+
+        return rows(d.num_samples, "train"), (
+            rows(valid_samples, "eval") if valid_samples else None
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     cache = _data_cache_dir(cfg) / "index_cache"
 

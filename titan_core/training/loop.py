@@ -95,6 +95,68 @@ def make_forward_step(device: torch.device, annotator: MicrobatchAnnotator):  # 
     return forward_step
 
 
+def exact_match_stats(
+    logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Masked token-mean cross entropy, rows right, rows scored.
+
+    A row is right when the argmax is the label at every position of its loss mask: for
+    prompt/answer rows, the whole answer as greedy decoding would write it (teacher forcing
+    gives greedy decoding's inputs as long as every earlier answer token was right).
+    """
+    logits = logits.float()
+    mask = loss_mask.float()
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none"
+    ).reshape(labels.shape)
+    loss = torch.sum(losses * mask) / torch.clamp(mask.sum(), min=1.0)
+    wrong = ((logits.argmax(-1) != labels) & (mask > 0)).any(-1)
+    scored = mask.sum(-1) > 0
+    return loss, (scored & ~wrong).sum().double(), scored.sum().double()
+
+
+def eval_loss_func(labels: torch.Tensor, loss_mask: torch.Tensor, logits: torch.Tensor):  # noqa: ANN201
+    """Eval loss and exact match of one microbatch (logits gathered over TP first)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    loss, correct, rows = exact_match_stats(logits, labels, loss_mask)
+    return loss, {"eval loss": loss.detach().clone(), "correct": correct, "rows": rows}
+
+
+def make_eval_step(device: torch.device):  # noqa: ANN201
+    def eval_step(data_iterator, model):  # noqa: ANN001, ANN202
+        batch = next(data_iterator)
+        tokens = batch["tokens"].to(device)
+        labels = batch["labels"].to(device)
+        loss_mask = batch["loss_mask"].to(device)
+        position_ids = batch["position_ids"].to(device)
+        logits = model(tokens, position_ids, None)
+        return logits, partial(eval_loss_func, labels, loss_mask)
+
+    return eval_step
+
+
+def _reduce_eval(records: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Mean eval loss over microbatches and exact-match accuracy, the same on every rank."""
+    reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
+        parallel_state.get_tensor_model_parallel_rank() == 0
+    )
+    value = torch.zeros(4, dtype=torch.float64)
+    if reporter and records:
+        value[0] = sum(float(r["eval loss"]) for r in records)
+        value[1] = len(records)
+        value[2] = sum(float(r["correct"]) for r in records)
+        value[3] = sum(float(r["rows"]) for r in records)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    out = {"eval/loss": float(value[0] / value[1].clamp(min=1))}
+    if value[3] > 0:
+        out["eval/accuracy"] = float(value[2] / value[3])
+    return out
+
+
 def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     """The step's mean loss, the same on every rank (averaged over DP on the last stage)."""
     reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
@@ -216,13 +278,57 @@ class Trainer:
             self.scheduler.step(increment=t.global_batch_size)
         return _reduce_loss(losses), (float(grad_norm) if grad_norm is not None else None)
 
+    def evaluate(self, dataset) -> dict[str, float]:  # noqa: ANN001
+        """``train.eval_iters`` global batches of the validation set, forward only."""
+        t = self.cfg.train
+        for chunk in self.model:
+            chunk.eval()
+        records: list[dict[str, torch.Tensor]] = []
+        try:
+            with torch.no_grad():
+                for i in range(t.eval_iters):
+                    data = [
+                        microbatches(
+                            dataset,
+                            t.micro_batch_size,
+                            self.num_microbatches,
+                            parallel_state.get_data_parallel_rank(),
+                            self.dp_size,
+                            i * t.global_batch_size,
+                        )
+                        for _ in self.model
+                    ]
+                    records += get_forward_backward_func()(
+                        forward_step_func=make_eval_step(self.accel.device()),
+                        data_iterator=data if len(data) > 1 else data[0],
+                        model=self.model if len(self.model) > 1 else self.model[0],
+                        num_microbatches=self.num_microbatches,
+                        seq_length=self.cfg.model.seq_length,
+                        micro_batch_size=t.micro_batch_size,
+                        decoder_seq_length=self.cfg.model.seq_length,
+                        forward_only=True,
+                    )
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return _reduce_eval(records)
+
     def train(self) -> list[dict[str, Any]]:
         cfg, t = self.cfg, self.cfg.train
         self.maybe_resume()
         remaining = t.train_iters - self.step
-        train_ds, _ = build_gpt_datasets(
-            cfg, self.tokenizer, max(remaining, 1) * t.global_batch_size + self.consumed_samples, 0
+        valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
+        train_ds, valid_ds = build_gpt_datasets(
+            cfg,
+            self.tokenizer,
+            max(remaining, 1) * t.global_batch_size + self.consumed_samples,
+            valid_samples,
         )
+        if t.eval_interval and valid_ds is None:
+            raise ValueError(
+                "train.eval_interval needs a validation split; give data.split a nonzero "
+                "second part (e.g. 98,2,0)"
+            )
         data = self.data_iterators(train_ds)
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         profiler = StepProfiler(cfg, self.rank, self.accel.device_type)
@@ -248,9 +354,13 @@ class Trainer:
                     "step_time_s": elapsed,
                     "consumed_samples": self.consumed_samples,
                 }
+                if t.eval_interval and (
+                    self.step % t.eval_interval == 0 or self.step == t.train_iters
+                ):
+                    record.update(self.evaluate(valid_ds))
                 history.append(record)
                 writer.write(record)
-                if self.step % t.log_interval == 0:
+                if self.step % t.log_interval == 0 or "eval/loss" in record:
                     self._say(format_status(record, t.train_iters))
                 interval = cfg.checkpoint.save_interval
                 if (interval and self.step % interval == 0) or self.step == t.train_iters:

@@ -58,4 +58,8 @@ def format_status(record: dict[str, Any], total: int) -> str:
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
     if "step_time_s" in record:
         parts.append(f"{record['step_time_s']:.2f} s/step")
+    if "eval/loss" in record:
+        parts.append(f"eval loss {record['eval/loss']:.4f}")
+    if "eval/accuracy" in record:
+        parts.append(f"eval acc {record['eval/accuracy']:.3f}")
     return " | ".join(parts)
