@@ -6,6 +6,7 @@ Every user error is a 4xx with ``{"error": {"message": ...}}``; the server keeps
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import logging
 import time
@@ -121,7 +122,14 @@ def create_app(
 ) -> FastAPI:
     """Build the HTTP app around an Engine."""
     app = FastAPI(title="titan-rl built-in engine", docs_url=None, redoc_url=None, openapi_url=None)
-    state: dict[str, Any] = {"groups": {}, "started": time.time()}
+    # recent_buckets: the last tensor payloads stay referenced, so a sender that reuses its
+    # shared-memory staging buffers (titan_rl.sync does) is mapped once, not on every update:
+    # torch's rebuild_storage_filename finds the live storage in its cache.
+    state: dict[str, Any] = {
+        "groups": {},
+        "started": time.time(),
+        "recent_buckets": collections.deque(maxlen=2),
+    }
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
@@ -399,6 +407,7 @@ def create_app(
             )
         try:
             named = await asyncio.to_thread(decode_tensor_payload, payloads[0], load_format)
+            state["recent_buckets"].append(named)
 
             def apply() -> int:
                 n = engine.load_named_tensors(named)

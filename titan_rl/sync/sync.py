@@ -101,6 +101,7 @@ class WeightSync:
         )
         self._transport: Transport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._clients: _Clients | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
     def _make_transport(self) -> Transport:
@@ -119,6 +120,12 @@ class WeightSync:
                 backend = spec.split(",")[-1].split(":")[-1] if ":" in spec else spec
             return DistributedTransport(self.cfg, self.device, backend)
         return MooncakeTransport(self.cfg, self.device)
+
+    def _engines(self) -> list[Engine]:
+        """Clients kept for the whole run (connections and TLS set-up once, not per sync)."""
+        if self._clients is None:
+            self._clients = _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s)
+        return self._clients.engines
 
     def _run(self, coro: Any) -> Any:
         if self._loop is None:
@@ -154,48 +161,44 @@ class WeightSync:
         if self._transport is None:
             self._transport = self._make_transport()
         tr = self._transport
+        engines = self._engines()
+        for e in engines:
+            e.applied = 0
+            e.extra.pop("left_paused", None)
+        failures: dict[str, str] = {}
+
+        def fail(found: Failures, stage: str) -> None:
+            for url, exc in found.items():
+                failures.setdefault(url, f"{stage}: {_describe(exc)}")
+
+        t_start = time.perf_counter()
+        await self._remember_restore_points(engines)
+        fail(await _pause(engines, self.cfg.pause_mode), "pause")
         t0 = time.perf_counter()
-        async with _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s) as engines:
-            failures: dict[str, str] = {}
-
-            def fail(found: Failures, stage: str) -> None:
-                for url, exc in found.items():
-                    failures.setdefault(url, f"{stage}: {_describe(exc)}")
-
-            await self._remember_restore_points(engines)
-            fail(await _pause(engines, self.cfg.pause_mode), "pause")
-            live = [e for e in engines if e.url not in failures]
-            fail(await tr.begin(live, version), "begin")
-            nbytes, nbuckets = 0, 0
-            for bucket in buckets:  # keep iterating after failures: other ranks are gathering
-                live = [e for e in engines if e.url not in failures]
-                nbytes += bucket_nbytes(bucket)
-                nbuckets += 1
-                if live:
-                    fail(await tr.send(live, bucket), f"bucket {nbuckets}")
-            live = [e for e in engines if e.url not in failures]
-            fail(await tr.commit(live, version), "load")
-            await tr.end(engines)
-            transfer_s = time.perf_counter() - t0
-            live = [e for e in engines if e.url not in failures]
-            fail(
-                await _each_call(live, lambda e: e.client.update_weight_version(version)), "version"
-            )
-            for e in engines:
-                if e.url in failures:
-                    failures[e.url] = await self._recover(e, tr, failures[e.url])
-                else:
-                    self.restore_paths[e.url] = (
-                        str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
-                    )
-            await _each_call(
-                [e for e in engines if not e.extra.get("left_paused")],
-                lambda e: e.client.continue_generation(),
-            )
+        live = [e for e in engines if e.url not in failures]
+        fail(await tr.begin(live, version), "begin")
+        nbytes, nbuckets = await self._send_buckets(tr, engines, buckets, failures, fail)
+        live = [e for e in engines if e.url not in failures]
+        fail(await tr.commit(live, version), "load")
+        await tr.end(engines)
+        transfer_s = time.perf_counter() - t0
+        live = [e for e in engines if e.url not in failures]
+        fail(await _each_call(live, lambda e: e.client.update_weight_version(version)), "version")
+        for e in engines:
+            if e.url in failures:
+                failures[e.url] = await self._recover(e, tr, failures[e.url])
+            else:
+                self.restore_paths[e.url] = (
+                    str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
+                )
+        await _each_call(
+            [e for e in engines if not e.extra.get("left_paused")],
+            lambda e: e.client.continue_generation(),
+        )
         if failures:
             raise WeightSyncError(failures, version)
         self.version = version
-        total_s = time.perf_counter() - t0
+        total_s = time.perf_counter() - t_start
         return {
             "sync/time_s": total_s,
             "sync/transfer_s": transfer_s,
@@ -203,6 +206,35 @@ class WeightSync:
             "sync/buckets": float(nbuckets),
             "sync/gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
         }
+
+    @staticmethod
+    async def _send_buckets(
+        tr: Transport,
+        engines: list[Engine],
+        buckets: Iterator[NamedTensors],
+        failures: dict[str, str],
+        fail: Callable[[Failures, str], None],
+    ) -> tuple[int, int]:
+        """Every bucket to every live engine; a pipelined transport keeps two in flight."""
+        nbytes, nbuckets = 0, 0
+        inflight: asyncio.Future | None = None
+        for bucket in buckets:  # keep iterating after failures: other ranks are gathering
+            live = [e for e in engines if e.url not in failures]
+            nbytes += bucket_nbytes(bucket)
+            nbuckets += 1
+            if not live:
+                continue
+            task = asyncio.ensure_future(tr.send(live, bucket))
+            if inflight is not None:
+                fail(await inflight, f"bucket {nbuckets - 1}")
+                inflight = None
+            if tr.pipelined:
+                inflight = task
+            else:
+                fail(await task, f"bucket {nbuckets}")
+        if inflight is not None:
+            fail(await inflight, f"bucket {nbuckets}")
+        return nbytes, nbuckets
 
     async def _remember_restore_points(self, engines: list[Engine]) -> None:
         """On first contact, an engine still on its start-up version serves its model_path."""
@@ -244,12 +276,12 @@ class WeightSync:
             return {}
 
         async def score() -> list[list[torch.Tensor]]:
-            async with _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s) as engines:
-                return list(
-                    await asyncio.gather(
-                        *(parity.engine_logprobs(e.client, self.probe) for e in engines)
-                    )
+            engines = self._engines()
+            return list(
+                await asyncio.gather(
+                    *(parity.engine_logprobs(e.client, self.probe) for e in engines)
                 )
+            )
 
         theirs = self._run(score())
         stats = [parity.compare(t, ours) for t in theirs]
@@ -269,14 +301,12 @@ class WeightSync:
     def close(self) -> None:
         if self._transport is not None:
             if isinstance(self._transport, DistributedTransport) and _rank() == self.dst:
-
-                async def destroy() -> None:
-                    async with _Clients(self.engine_urls, self.api_key, 30) as engines:
-                        await self._transport.destroy(engines)  # type: ignore[union-attr]
-
-                self._run(destroy())
+                self._run(self._transport.destroy(self._engines()))
             self._transport.close()
             self._transport = None
+        if self._clients is not None:
+            self._run(self._clients.aclose())
+            self._clients = None
         if self._loop is not None:
             self._loop.close()
             self._loop = None
@@ -289,10 +319,7 @@ class _Clients:
             for i, u in enumerate(urls)
         ]
 
-    async def __aenter__(self) -> list[Engine]:
-        return self.engines
-
-    async def __aexit__(self, *exc: Any) -> None:
+    async def aclose(self) -> None:
         await asyncio.gather(*(e.client.aclose() for e in self.engines))
 
 

@@ -53,6 +53,9 @@ class Transport(ABC):
     #: True when one bucket per call is applied by the engine as it arrives (so a failure after
     #: the first bucket leaves it half-updated); False when the engine loads all at commit.
     incremental = True
+    #: True when ``send`` of the next bucket may start before the previous one is applied
+    #: (at most two in flight: the transport double-buffers its staging memory).
+    pipelined = False
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         self.cfg = cfg
@@ -92,14 +95,26 @@ class _Staging:
 
 
 class TensorTransport(Transport):
-    """Colocated: one ``update_weights_from_tensor`` call per flattened bucket."""
+    """Colocated: one ``update_weights_from_tensor`` call per flattened bucket.
+
+    Two staging buffers alternate, so bucket k+1 is flattened (in a worker thread) while the
+    engines load bucket k. The buffers live for the whole run: engines that keep the last
+    buckets' storages open map them once, not on every sync.
+    """
+
+    pipelined = True
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
-        self.staging = _Staging(device, cfg.bucket_bytes)
+        self.staging = [_Staging(device, cfg.bucket_bytes), _Staging(device, cfg.bucket_bytes)]
+        self._turn = 0
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
-        flat, meta = flatten_into(self.staging.get(bucket_nbytes(bucket)), bucket)
+        staging = self.staging[self._turn]
+        self._turn ^= 1
+        flat, meta = await asyncio.to_thread(
+            flatten_into, staging.get(bucket_nbytes(bucket)), bucket
+        )
         if self.device.type != "cpu":
             torch.accelerator.synchronize()  # the copy must land before another process reads
         payload = dumps_bucket(flat, meta)
