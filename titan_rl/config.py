@@ -15,6 +15,7 @@ from titan_core.config.pretrain import (
     ModelConfig,
     ParallelConfig,
     PretrainConfig,
+    ProfileConfig,
     TrainConfig,
 )
 from titan_rl.algo.config import AlgoConfig
@@ -127,6 +128,9 @@ class GRPOConfig(Section):
     data: RLDataConfig = Field(default_factory=RLDataConfig)
     run: RLRunConfig = Field(default_factory=RLRunConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    #: profiler traces of these RL steps, one file per trainer rank (``<run.dir>/traces``):
+    #: ProfilerStep#N with titan/rl/{rollout,train,sync} and microbatch ranges inside.
+    profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:

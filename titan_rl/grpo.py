@@ -211,10 +211,20 @@ def run(cfg: GRPOConfig) -> int:
             writer.write({"step": 0, "eval/accuracy": acc})
             print(f"step    0 | eval acc {acc:.3f} (before RL)", flush=True)
         pending = None
+        profiled = set(
+            range(min(cfg.profile.steps, default=0), max(cfg.profile.steps, default=-1) + 1)
+        )
         for step in range(start + 1, cfg.run.num_steps + 1):
+            if step in profiled:
+                trainers.begin_step(step)
             t0 = time.perf_counter()
             if pending is None:
+                mark = step in profiled and not cfg.rollout.async_rollout
+                if mark:
+                    trainers.mark("rollout", True)
                 result = aio.run_until_complete(loop.rollout(client, step))
+                if mark:
+                    trainers.mark("rollout", False)
             else:
                 result = pending
             t1 = time.perf_counter()
@@ -249,6 +259,8 @@ def run(cfg: GRPOConfig) -> int:
                 "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
                 "time/eval": t4 - t3, "time/step": t4 - t0,
             })  # fmt: skip
+            if step in profiled:
+                trainers.end_step(step)
             writer.write(rec)
             if step % cfg.run.log_interval == 0 or "eval/accuracy" in rec:
                 print(_status(rec, cfg.run.num_steps), flush=True)

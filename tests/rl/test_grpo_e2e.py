@@ -62,7 +62,7 @@ def _grpo(run_dir: Path, base: Path, steps: int, *extra: str) -> subprocess.Comp
 
 def test_reward_rises_then_resume_continues(tmp_path, base):
     run_dir = tmp_path / "run"
-    _grpo(run_dir, base, 8)
+    _grpo(run_dir, base, 8, "profile.steps=[6,7]")
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in recs] == list(range(1, 9))
     first, last = recs[0]["reward/mean"], max(r["reward/mean"] for r in recs[-3:])
@@ -74,6 +74,8 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
     assert (run_dir / "reward.png").stat().st_size > 1000
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 8
+
+    _check_rl_trace(run_dir / "traces" / "rank0.json", steps=[6, 7], ppo_steps=1, microbatches=2)
 
     proc = _grpo(run_dir, base, 10)
     assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
@@ -87,3 +89,20 @@ def test_async_rollout_runs(tmp_path, base):
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all("train/tis_mean" in r for r in recs)
+
+
+def _check_rl_trace(path: Path, steps: list[int], ppo_steps: int, microbatches: int) -> None:
+    """Profiled RL steps: one ProfilerStep each, holding rollout / train / sync ranges in
+    that order, and a forward and a backward range per microbatch of each policy update."""
+    import json
+
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for step in steps:
+        (outer,) = [e for e in events if e["name"] == f"ProfilerStep#{step}"]
+        lo, hi = outer["ts"], outer["ts"] + outer["dur"]
+        inside = [e for e in events if lo <= e["ts"] <= hi and e["name"].startswith("titan/")]
+        phases = sorted((e["ts"], e["name"]) for e in inside if e["name"].startswith("titan/rl/"))
+        assert [n for _, n in phases] == ["titan/rl/rollout", "titan/rl/train", "titan/rl/sync"]
+        for kind in ("fwd", "bwd"):
+            got = [e for e in inside if e["name"].startswith(f"titan/microbatch/{kind}/")]
+            assert len(got) == ppo_steps * microbatches, (kind, [e["name"] for e in got])

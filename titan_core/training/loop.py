@@ -331,7 +331,7 @@ class Trainer:
             )
         data = self.data_iterators(train_ds)
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
-        profiler = StepProfiler(cfg, self.rank, self.accel.device_type)
+        profiler = StepProfiler(cfg.profile, cfg.run.dir, self.rank, self.accel.device_type)
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         history = []
         if self.step >= t.train_iters:

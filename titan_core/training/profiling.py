@@ -15,17 +15,21 @@ from pathlib import Path
 
 import torch
 
-from titan_core.config.pretrain import PretrainConfig
+from titan_core.config.pretrain import ProfileConfig
 
 
 class StepProfiler:
-    def __init__(self, cfg: PretrainConfig, rank: int, device_type: str = "cpu") -> None:
+    """Profiles ``profile.steps`` of a run (pretraining or RL) on one rank."""
+
+    def __init__(
+        self, profile: ProfileConfig, run_dir: str | Path, rank: int, device_type: str = "cpu"
+    ) -> None:
         self.device_type = device_type
-        steps = sorted(cfg.profile.steps)
+        steps = sorted(profile.steps)
         self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)
-        self.dir = Path(cfg.profile.dir or Path(cfg.run.dir) / "traces")
+        self.dir = Path(profile.dir or Path(run_dir) / "traces")
         self.rank = rank
-        self.with_stack = cfg.profile.with_stack
+        self.with_stack = profile.with_stack
         self._prof: torch.profiler.profile | None = None
 
     def active(self, step: int) -> bool:

@@ -3,6 +3,7 @@ torch.distributed group, placed with a Ray placement group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -28,12 +29,44 @@ class TrainerWorker:
         threads = cfg.pop("_torch_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
+        from titan_core.training.profiling import StepProfiler
         from titan_rl.trainer.policy import PolicyTrainer
 
         self.cfg = GRPOConfig.model_validate(cfg)
         self.trainer = PolicyTrainer(self.cfg, world_size)
         self.rank = rank
         self.sync = None
+        self.profiler = StepProfiler(
+            self.cfg.profile, self.cfg.run.dir, rank, self.trainer.accel.device_type
+        )
+        self._profiled = contextlib.ExitStack()
+        self._phases: dict[str, Any] = {}
+
+    # ---- profiling: the driver opens and closes steps and the rollout phase -----------------
+    def begin_step(self, step: int) -> None:
+        """Open ``ProfilerStep#step`` (on profiled steps; a no-op otherwise)."""
+        if self.profiler.active(step):
+            self._profiled.enter_context(self.profiler.step(step))
+            self._profiled.enter_context(self.trainer.annotator.step(True))
+
+    def end_step(self, step: int) -> None:
+        for rf in self._phases.values():
+            rf.__exit__(None, None, None)
+        self._phases.clear()
+        self._profiled.close()  # leaves the annotator, closes the step (writes the trace)
+
+    def mark(self, phase: str, begin: bool) -> None:
+        """Open or close a ``titan/rl/<phase>`` range while a profiled step is open."""
+        if not self.trainer.annotator.active:
+            return
+        if begin:
+            import torch
+
+            rf = torch.profiler.record_function(f"titan/rl/{phase}")
+            rf.__enter__()
+            self._phases[phase] = rf
+        elif phase in self._phases:
+            self._phases.pop(phase).__exit__(None, None, None)
 
     def save_hf(self, path: str) -> None:
         self.trainer.save_hf(path)
@@ -55,10 +88,22 @@ class TrainerWorker:
     def sync_weights(self, step: int) -> dict[str, float]:
         if self.sync is None:
             raise RuntimeError("connect_engines() first")
-        return self.sync.sync(self._chunks, step)
+        self.mark("sync", True)
+        try:
+            return self.sync.sync(self._chunks, step)
+        finally:
+            self.mark("sync", False)
 
     def train(self, batch: RLBatch) -> dict[str, float]:
-        return self.trainer.train(batch)
+        self.mark("train", True)
+        try:
+            return self.trainer.train(batch)
+        finally:
+            self.mark("train", False)
+
+    def shutdown_profiler(self) -> None:
+        self._profiled.close()
+        self.profiler.close()
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         self.trainer.save(step, extra)
@@ -67,6 +112,7 @@ class TrainerWorker:
         return self.trainer.resume()
 
     def shutdown(self) -> None:
+        self.shutdown_profiler()
         if self.sync is not None:
             self.sync.close()
         self.trainer.shutdown()
@@ -115,6 +161,15 @@ class TrainerGroup:
 
     def train(self, batch: RLBatch) -> dict[str, float]:
         return self._all("train", batch)[0]
+
+    def begin_step(self, step: int) -> None:
+        self._all("begin_step", step)
+
+    def end_step(self, step: int) -> None:
+        self._all("end_step", step)
+
+    def mark(self, phase: str, begin: bool) -> None:
+        self._all("mark", phase, begin)
 
     def save(self, step: int, extra: dict[str, Any]) -> None:
         self._all("save", step, extra)

@@ -28,6 +28,7 @@ from titan_core.models.gpt import build_model_chunks, build_transformer_config, 
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
 from titan_core.models.hf.from_titan import llama_config_for
 from titan_core.parallel.initialize import initialize
+from titan_core.training.annotate import MicrobatchAnnotator
 from titan_core.training.loop import configure_schedule_hooks, wrap_model
 from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_rl.algo.advantages import compute_advantages
@@ -76,6 +77,8 @@ class PolicyTrainer:
         self.scheduler = build_scheduler(self.pcfg, self.optimizer)
         configure_schedule_hooks(self.tf, self.model, self.optimizer)
         self._load_policy(self.model)
+        #: microbatch ranges of the policy updates on profiled steps (titan_rl.trainer.group)
+        self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
         self.ref_model = None
         if cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward:
             ref = build_model_chunks(self.pcfg, self.tf, self.vocab_size, self.accel)
@@ -158,11 +161,17 @@ class PolicyTrainer:
         its, num = self._microbatches(fields)
         seq = fields["tokens"].shape[1]
 
+        annotate = not forward_only and self.annotator.active
+
         def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
             mb = next(data_iterator)
             tokens = mb["tokens"]
             pos = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
-            logits = chunk(tokens, pos, None)
+            if not annotate:
+                return chunk(tokens, pos, None), partial(loss_fn, mb, num)
+            vs = getattr(unwrap(chunk), "vp_stage", None) or 0
+            with self.annotator.forward(vs) as bwd_name:
+                logits = self.annotator.wrap_output(chunk(tokens, pos, None), bwd_name)
             return logits, partial(loss_fn, mb, num)
 
         return get_forward_backward_func()(
