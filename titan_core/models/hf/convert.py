@@ -346,6 +346,8 @@ class HFBridge:
             dist.all_gather(pieces, local.contiguous(), group=axis.group)
         if item.rule.kind == "gate_up":
             halves = [p.chunk(2, dim=0) for p in pieces]
+            if len(halves) == 1:  # views of the parameter: the bucket copy is the only copy
+                return list(halves[0])
             return [torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])]
         dim = item.param.partition_dim if axis is not None else 0
         full = torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
