@@ -29,6 +29,8 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0) -> Path:
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     kw = dict(
@@ -48,9 +50,14 @@ def make_tiny_model(path: Path, family: str = "llama", seed: int = 0) -> Path:
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }
     cfg_cls, model_cls = classes[family]
-    extra = {"head_dim": 16} if family == "qwen3" else {}
+    extra: dict = {"head_dim": 16} if family.startswith("qwen3") else {}
+    if family == "qwen3_moe":  # 4 experts, top-2, as Titan's exporter maps them
+        extra.update(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True
+        )
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kw, **extra))
     # larger logits make greedy outputs depend clearly on the weights

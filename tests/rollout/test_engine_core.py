@@ -57,7 +57,7 @@ def hf_logprobs(
     return [lp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(output)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
 def family_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, make_model
 ):

@@ -1,7 +1,7 @@
 """A megatron trainer process that syncs its weights to running engines and reports.
 
 ``python tests/sync/sync_worker.py --engines URL.. --model-dir HF --out out.json
---transports tensor disk ...`` (torchrun for TP=2). Before each transport's sync the trainer's
+--transports tensor disk ...`` (torchrun for TP / PP > 1). Before each transport's sync the trainer's
 weights are perturbed, so every sync carries weights the engine has not seen.
 """
 
@@ -22,6 +22,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--transports", nargs="+", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--bucket-bytes", type=int, default=64_000)
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--agents", nargs="*", default=[])
@@ -42,8 +45,13 @@ def main() -> None:
     cfg = PretrainConfig.model_validate(
         {
             "model": model.model_dump(),
-            "parallel": {"tensor_model_parallel_size": a.tp},
-            "train": {"micro_batch_size": 1, "global_batch_size": 1, "lr_warmup_iters": 0},
+            "parallel": {
+                "tensor_model_parallel_size": a.tp,
+                "pipeline_model_parallel_size": a.pp,
+                "expert_model_parallel_size": a.ep,
+                "virtual_pipeline_model_parallel_size": a.vpp,
+            },
+            "train": {"micro_batch_size": 1, "global_batch_size": 8, "lr_warmup_iters": 0},
         }
     )
     accel, _, _ = initialize(cfg)
@@ -55,8 +63,9 @@ def main() -> None:
         if not a.no_perturb:
             with torch.no_grad():
                 g = torch.Generator().manual_seed(100 + i)
-                for p in chunks[0].parameters():
-                    p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+                for chunk in chunks:
+                    for p in chunk.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
         sc = SyncConfig(
             transport=transport, bucket_bytes=a.bucket_bytes, disk_dir=a.disk_dir,
             mooncake_agents=a.agents, check_every=1, strict=False,

@@ -39,6 +39,23 @@ def tiny_qwen3(path: Path, seed: int, intermediate: int = 128) -> Path:
     return path
 
 
+def tiny_qwen3_moe(path: Path, seed: int) -> Path:
+    """4 experts (top-2), 2 layers; transformers >= 5 fuses each layer's experts into 3-D
+    parameters, while the checkpoint and the sync name them per expert."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_qwen3(tmp_path_factory.mktemp("qwen3"), seed=0)
@@ -161,6 +178,68 @@ def test_tp2_trainer_syncs_gathered_weights(
     )  # fmt: skip
     assert "error" not in r, r
     assert r["metrics"]["sync/logprob_abs_diff_max"] < 1e-4
+
+
+@pytest.mark.slow
+def test_pp2_trainer_parity_over_the_pipeline(
+    engine: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    # The trainer's probe runs through megatron's forward-only pipeline schedule; the logprobs
+    # of the last stage reach rank 0 (the sync's dst, on the first stage).
+    results = run_worker(
+        tmp_path, "--engines", engine.url, "--model-dir", str(model_dir), "--pp", "2",
+        "--disk-dir", str(tmp_path / "disk"), "--transports", "tensor", "disk", nproc=2,
+    )  # fmt: skip
+    for r in results:
+        assert "error" not in r, r
+        assert r["before"]["sync/logprob_abs_diff_max"] > 0.1, r
+        m = r["metrics"]
+        assert m["sync/logprob_abs_diff_mean"] < 1e-4 and m["sync/logprob_abs_diff_max"] < 1e-4, r
+    assert weight_version(engine.url) == results[-1]["version"]
+
+
+@pytest.mark.slow
+def test_tp2_pp2_trainer_parity(engine: ServerProcess, model_dir: Path, tmp_path: Path) -> None:
+    # Four ranks: vocab-parallel logits gathered over TP on the last stage, then sent to rank 0.
+    (r,) = run_worker(
+        tmp_path, "--engines", engine.url, "--model-dir", str(model_dir), "--tp", "2",
+        "--pp", "2", "--transports", "distributed", nproc=4,
+    )  # fmt: skip
+    assert "error" not in r, r
+    assert r["before"]["sync/logprob_abs_diff_max"] > 0.1, r
+    m = r["metrics"]
+    assert m["sync/logprob_abs_diff_mean"] < 1e-4 and m["sync/logprob_abs_diff_max"] < 1e-4, r
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_qwen3_moe(tmp_path_factory.mktemp("qwen3-moe"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def moe_engine(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = start_engine(moe_dir, tmp_path_factory.mktemp("moe-logs"), "moe-engine")
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("ep", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_qwen3_moe_per_expert_names_reach_parity(
+    moe_engine: ServerProcess, moe_dir: Path, tmp_path: Path, ep: int
+) -> None:
+    # The exporter names experts one by one; the engine's model holds them fused.
+    transports = ["tensor", "distributed", "disk"] if ep == 1 else ["tensor"]
+    results = run_worker(
+        tmp_path, "--engines", moe_engine.url, "--model-dir", str(moe_dir), "--ep", str(ep),
+        "--disk-dir", str(tmp_path / "disk"), "--transports", *transports, nproc=ep,
+    )  # fmt: skip
+    assert [r["transport"] for r in results] == transports
+    for r in results:
+        assert "error" not in r, r
+        assert r["before"]["sync/logprob_abs_diff_max"] > 0.1, r
+        m = r["metrics"]
+        assert m["sync/logprob_abs_diff_mean"] < 1e-4 and m["sync/logprob_abs_diff_max"] < 1e-4, r
+    assert weight_version(moe_engine.url) == results[-1]["version"]
 
 
 @pytest.mark.slow

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
+from titan_rl.engine.weights import checkpoint_tensors
 
 log = logging.getLogger("titan_rl.engine")
 
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 
 
 @dataclass
@@ -130,7 +131,9 @@ class Engine:
         self.weight_version = weight_version
         self.eos_ids = self._eos_ids()
         self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
-        self._param_names = set(self.model.state_dict().keys())
+        # HF checkpoint names -> the model's tensors (per-expert names onto fused experts)
+        self._targets, self._fused = checkpoint_tensors(self.model)
+        self._param_names = set(self._targets) - set(self._fused.values())
         self._default_gen = torch.Generator().manual_seed(random_seed)
 
         self._pending: deque[Sequence] = deque()
@@ -557,21 +560,39 @@ class Engine:
 
     # ---- weights (engine thread, via call()) ----------------------------------------------
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the model by HF parameter name; all names are checked first."""
-        state = self.model.state_dict()
+        """Copy tensors into the model by HF parameter name; all names are checked first.
+
+        Names are the HF checkpoint's: per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.
+        land in the slices of the model's fused expert tensors (transformers >= 5); the fused
+        names themselves are accepted too.
+        """
         for name, t in named:
-            if name not in state:
+            target = self._targets.get(name)
+            if target is None:
                 raise RequestError(f"unknown parameter {name!r}; names must be the HF checkpoint's")
-            if tuple(state[name].shape) != tuple(t.shape):
+            if tuple(target.shape) != tuple(t.shape):
                 raise RequestError(
-                    f"parameter {name!r} has shape {tuple(state[name].shape)}, got {tuple(t.shape)}"
+                    f"parameter {name!r} has shape {tuple(target.shape)}, got {tuple(t.shape)}"
                 )
         for name, t in named:
-            state[name].copy_(t)
+            self._targets[name].copy_(t)
         return len(named)
 
     def param_names(self) -> set[str]:
+        """The names a full HF checkpoint of the model holds (per-expert for MoE experts)."""
         return set(self._param_names)
+
+    def knows(self, name: str) -> bool:
+        """Whether a weight update may name ``name`` (a checkpoint name or a fused one)."""
+        return name in self._targets
+
+    def missing_params(self, names: set[str]) -> set[str]:
+        """Checkpoint names not covered by ``names`` (a fused tensor covers its experts)."""
+        return {n for n in self._param_names if n not in names and self._fused.get(n) not in names}
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The model's tensor (or expert slice) under an HF name, or None."""
+        return self._targets.get(name)
 
 
 def sequence_result(s: Sequence) -> dict[str, Any]:

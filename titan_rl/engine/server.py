@@ -365,13 +365,13 @@ def create_app(
             return _fail(str(e))
         except Exception as e:
             return _fail(f"could not read weights from {path!r}: {type(e).__name__}: {e}")
-        missing = engine.param_names() - set(tensors)
+        missing = engine.missing_params(set(tensors))
         tied = getattr(engine.config, "tie_word_embeddings", False)
         if tied:
             missing.discard("lm_head.weight")
         if missing:
             return _fail(f"{path!r} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-        named = [(n, t) for n, t in tensors.items() if n in engine.param_names()]
+        named = [(n, t) for n, t in tensors.items() if engine.knows(n)]
 
         def apply() -> int:
             n = engine.load_named_tensors(named)
@@ -470,7 +470,7 @@ def create_app(
         pg = state["groups"].get(group)
         if pg is None:
             return _fail(f"no weight update group {group!r}; call /init_weights_update_group first")
-        unknown = [n for n in names if n not in engine.param_names()]
+        unknown = [n for n in names if not engine.knows(n)]
 
         def apply() -> int:
             named = receive_broadcast(pg, names, dtypes, shapes, load_format)
@@ -515,10 +515,10 @@ def create_app(
         data = await body(request)
         name = _field(data, "name", str, required=True)
         truncate = _field(data, "truncate_size", int, 100)
-        state_dict = engine.model.state_dict()
-        if name not in state_dict:
+        tensor = engine.tensor(name)
+        if tensor is None:
             raise HTTPError(400, f"unknown parameter {name!r}")
-        return ORJSONResponse(state_dict[name].flatten()[:truncate].float().tolist())
+        return ORJSONResponse(tensor.flatten()[:truncate].float().tolist())
 
     return app
 

@@ -296,3 +296,65 @@ def broadcast_named_tensors(
         return
     for _, t in named:
         pg.broadcast(t.detach().contiguous(), 0).wait()
+
+
+# ---- checkpoint names -> model tensors --------------------------------------------------
+
+#: Fused expert tensors (transformers >= 5 stores MoE experts as 3-D parameters) and the
+#: per-expert checkpoint names (as in HF safetensors and SGLang's update APIs) they hold.
+_FUSED_EXPERTS = {
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+def checkpoint_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The model's tensors under HF checkpoint names, as views sharing the model's storage.
+
+    Returns ``(targets, fused)``: ``targets`` maps every name a checkpoint of this model holds
+    to the tensor to copy it into (a per-expert name of a fused expert tensor maps to a view of
+    its slice); ``fused`` maps each per-expert name to the fused tensor's own name, which is
+    accepted too (as ``targets``' key) so updates in either naming work.
+    """
+    state = model.state_dict()
+    targets: dict[str, torch.Tensor] = dict(state)
+    fused: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        if not all(isinstance(getattr(module, p, None), torch.Tensor) for p in _FUSED_EXPERTS):
+            continue
+        gate_up, down = state.get(f"{prefix}.gate_up_proj"), state.get(f"{prefix}.down_proj")
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            continue
+        transposed = bool(getattr(module, "is_transposed", False))
+        if not getattr(module, "has_gate", True):
+            raise ValueError(f"{prefix}: fused experts without a gate are not mapped")
+        views: dict[str, list[torch.Tensor]] = {}
+        # [E, 2I, H] (gate rows, then up rows) and [E, H, I]; transposed: [E, H, 2I], [E, I, H]
+        gu = gate_up.transpose(1, 2) if transposed else gate_up
+        dn = down.transpose(1, 2) if transposed else down
+        inter = gu.shape[1] // 2
+        views["gate_proj"] = [gu[e, :inter] for e in range(gu.shape[0])]
+        views["up_proj"] = [gu[e, inter:] for e in range(gu.shape[0])]
+        views["down_proj"] = [dn[e] for e in range(dn.shape[0])]
+        for whole, parts in _FUSED_EXPERTS.items():
+            for part in parts:
+                for e, view in enumerate(views[part]):
+                    name = f"{prefix}.{e}.{part}.weight"
+                    targets[name] = view
+                    fused[name] = f"{prefix}.{whole}"
+        gu_bias, dn_bias = (
+            state.get(f"{prefix}.gate_up_proj_bias"),
+            state.get(f"{prefix}.down_proj_bias"),
+        )
+        biases = {
+            "gate_proj": [] if gu_bias is None else [b[:inter] for b in gu_bias],
+            "up_proj": [] if gu_bias is None else [b[inter:] for b in gu_bias],
+            "down_proj": [] if dn_bias is None else list(dn_bias),
+        }
+        for whole, parts in _FUSED_EXPERTS.items():
+            for part in parts:
+                for e, view in enumerate(biases[part]):
+                    name = f"{prefix}.{e}.{part}.bias"
+                    targets[name] = view
+                    fused[name] = f"{prefix}.{whole}_bias"
+    return targets, fused

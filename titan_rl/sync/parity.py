@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,38 +39,89 @@ async def engine_logprobs(client: SGLangClient, probe: list[list[int]]) -> list[
 def trainer_logprobs(
     chunks: list[Any], probe: list[list[int]], vocab_size: int
 ) -> list[torch.Tensor]:
-    """Next-token logprobs of the probe under the megatron model (every TP rank calls this)."""
+    """Next-token logprobs (float64, CPU) of the probe under the megatron model.
+
+    Every rank of the model-parallel group calls this: the probe runs through megatron-core's
+    forward-only schedule (one sequence per microbatch), so TP, PP and VPP layouts all take
+    part; the last pipeline stage gathers the vocab-parallel logits over TP and computes the
+    logprobs in float64, then broadcasts them over its pipeline group, so every rank (the
+    sync's dst rank among them) returns the same tensors.
+    """
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     from titan_core.checkpoint.dist import unwrap
 
-    if len(chunks) != 1 or ps.get_pipeline_model_parallel_world_size() > 1:
+    if ps.get_context_parallel_world_size() > 1:
         raise NotImplementedError(
-            "the built-in trainer probe runs without pipeline parallelism; pass "
-            "trainer_logprobs_fn to WeightSync for PP > 1"
+            "the trainer probe does not split sequences for context parallelism; pass "
+            "trainer_logprobs_fn to WeightSync or set sync.check_every=0 with CP > 1"
         )
-    model = unwrap(chunks[0])
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    out = []
+    models = [unwrap(c) for c in chunks]
+    if not models:
+        raise ValueError("trainer_logprobs needs the model chunks")
+    lengths = {len(s) for s in probe}
+    if len(lengths) != 1 or not probe:
+        raise ValueError("the probe must be a non-empty batch of equal-length sequences")
+    length = lengths.pop()
+    num = len(probe)
+    device = next(models[0].parameters()).device
+    pp = ps.get_pipeline_model_parallel_world_size()
+    # The interleaved (VPP) schedule wants whole groups of microbatches: pad with repeats.
+    num_mb = num
+    if len(models) > 1:
+        group = getattr(get_model_config(models[0]), "microbatch_group_size_per_vp_stage", None)
+        group = max(group or pp, pp)
+        num_mb = -(-num // group) * group
+    rows = [probe[i % num] for i in range(num_mb)]
+
+    def batches() -> Iterator[torch.Tensor]:
+        for seq in rows:
+            yield torch.tensor([seq], dtype=torch.long, device=device)
+
+    def loss_fn(ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        lp = torch.log_softmax(logits[0, :-1, :vocab_size].double(), dim=-1)
+        lp = lp.gather(1, ids[0, 1:].unsqueeze(1)).flatten()
+        return logits.sum() * 0.0, {"logprobs": lp}
+
+    def forward_step(data_iterator: Iterator[torch.Tensor], model: Any) -> tuple[Any, Any]:
+        ids = next(data_iterator)
+        pos = torch.arange(length, device=device).unsqueeze(0)
+        return model(ids, pos, attention_mask=None), partial(loss_fn, ids)
+
+    was_training = [m.training for m in models]
+    for m in models:
+        m.eval()
     try:
-        for seq in probe:
-            ids = torch.tensor([seq], device=device)
-            pos = torch.arange(len(seq), device=device).unsqueeze(0)
-            logits = model(ids, pos, attention_mask=None)
-            tp = ps.get_tensor_model_parallel_world_size()
-            if tp > 1:
-                parts = [torch.empty_like(logits) for _ in range(tp)]
-                dist.all_gather(
-                    parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group()
-                )
-                logits = torch.cat(parts, dim=-1)
-            lp = torch.log_softmax(logits[0, :-1, :vocab_size].double(), dim=-1)
-            out.append(lp.gather(1, ids[0, 1:].unsqueeze(1)).flatten().cpu())
+        iters = [batches() for _ in models]
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(models) > 1 else iters[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=num_mb,
+            seq_length=length,
+            micro_batch_size=1,
+            forward_only=True,
+        )
     finally:
-        model.train(was_training)
-    return out
+        for m, t in zip(models, was_training, strict=True):
+            m.train(t)
+    if pp == 1:
+        result = torch.stack([o["logprobs"] for o in out[:num]])
+    else:
+        result = torch.empty(num, length - 1, dtype=torch.float64, device=device)
+        if ps.is_pipeline_last_stage(ignore_virtual=True):
+            result.copy_(torch.stack([o["logprobs"] for o in out[:num]]))
+        group = ps.get_pipeline_model_parallel_group()
+        last = dist.get_process_group_ranks(group)[-1]
+        dist.broadcast(result, src=last, group=group)
+    return list(result.cpu().unbind(0))
 
 
 def compare(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> tuple[float, float]:

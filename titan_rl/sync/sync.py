@@ -267,7 +267,11 @@ class WeightSync:
 
     # ---- parity ----------------------------------------------------------------------------------
     def check(self, chunks: list[Any]) -> dict[str, float]:
-        """Score the probe on every engine and on the trainer; mean/max |diff| over all."""
+        """Score the probe on every engine and on the trainer; mean/max |diff| over all.
+
+        Every trainer rank must call this (the trainer side runs megatron's forward-only
+        schedule over TP / PP / VPP); the metrics come back on ``dst``, ``{}`` elsewhere.
+        """
         fn = self.trainer_logprobs_fn or (
             lambda c, p: parity.trainer_logprobs(c, p, self.bridge.vocab_size)
         )
