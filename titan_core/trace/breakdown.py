@@ -11,7 +11,8 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
-from operator import itemgetter
+from itertools import islice
+from operator import gt
 from typing import Any
 
 from titan_core.trace import intervals as iv
@@ -76,41 +77,51 @@ class GpuEvents:
 
 
 def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
-    # correlation -> (earliest start, thread of the first in file order); usually each
-    # correlation has one launch, and building the dict backwards keeps the first one
-    first: dict[int, tuple[int, str]] = dict(
-        zip(
-            reversed(ev.launch_corr),
-            zip(reversed(ev.launch_ts), reversed(ev.launch_tid), strict=True),
-            strict=True,
-        )
-    )
-    if len(first) != len(ev.launch_corr):  # repeated correlations: take the earliest start
-        first = {}
-        for c, t, tid in zip(ev.launch_corr, ev.launch_ts, ev.launch_tid, strict=True):
-            cur = first.get(c)
+    corr = ev.launch_corr.tolist()
+    n = len(corr)
+    # correlation -> index of its launch; usually each correlation has one launch, and
+    # building the dict backwards keeps the first one
+    first = dict(zip(reversed(corr), range(n - 1, -1, -1), strict=True))
+    l_ts = ev.launch_ts.tolist()
+    l_tid = ev.launch_tid
+    if len(first) != n:  # repeated correlations: the earliest start, the first thread
+        earliest: dict[int, tuple[int, str]] = {}
+        for c, t, tid in zip(corr, l_ts, l_tid, strict=True):
+            cur = earliest.get(c)
             if cur is None:
-                first[c] = (t, tid)
+                earliest[c] = (t, tid)
             elif t < cur[0]:
-                first[c] = (t, cur[1])
-    kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(ev.dev_name)}
-    # stable sort by start: ties keep file order
-    rows = sorted(
-        zip(ev.dev_ts, ev.dev_end, ev.dev_name, ev.dev_info, ev.dev_corr, strict=True),
-        key=itemgetter(0),
-    )
-    if not rows:
+                earliest[c] = (t, cur[1])
+        first = {c: i for i, c in enumerate(earliest)}
+        l_ts = [t for t, _ in earliest.values()]
+        l_tid = [tid for _, tid in earliest.values()]
+    ts = ev.dev_ts.tolist()
+    if not ts:
         return GpuEvents([], [], [], [], [], [], [])
-    ts, end, names, info, corr = (list(c) for c in zip(*rows, strict=True))
-    launches = [first.get(c) for c in corr]
+    end = ev.dev_end.tolist()
+    names = ev.dev_name
+    info = ev.dev_info
+    dcorr = ev.dev_corr.tolist()
+    if any(map(gt, ts, islice(ts, 1, None))):  # stable sort by start: ties keep file order
+        order = sorted(range(len(ts)), key=ts.__getitem__)
+        ts = [ts[i] for i in order]
+        end = [end[i] for i in order]
+        names = [names[i] for i in order]
+        info = [info[i] for i in order]
+        dcorr = [dcorr[i] for i in order]
+    else:
+        names = list(names)
+        info = list(info)
+    kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(names)}
+    at = [first.get(c) for c in dcorr]
     return GpuEvents(
         ts=ts,
         end=end,
         name=names,
         kind=[kind_of[n] for n in names],
         info=info,
-        launch_ts=[None if x is None else x[0] for x in launches],
-        launch_tid=[None if x is None else x[1] for x in launches],
+        launch_ts=[None if i is None else l_ts[i] for i in at],
+        launch_tid=[None if i is None else l_tid[i] for i in at],
     )
 
 
