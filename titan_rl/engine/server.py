@@ -497,6 +497,9 @@ def create_app(
         pg = state["groups"].pop(group, None)
         if pg is None:
             return _fail(f"no weight update group {group!r}")
+        from titan_rl.sync.process_group import destroy_weights_update_group
+
+        destroy_weights_update_group(pg)
         return _ok("Succeeded to destroy custom process group.")
 
     @app.post("/update_weight_version")

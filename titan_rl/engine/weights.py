@@ -17,7 +17,6 @@ import binascii
 import io
 import pickle
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -238,10 +237,11 @@ def join_weight_update_group(
     backend: str = "gloo",
     timeout_s: float = 120.0,
 ) -> dist.ProcessGroup:
-    """Create a standalone process group (not the default one) for weight broadcasts.
+    """Join the trainer's weight-update group (not the default one) for broadcasts.
 
     Both the trainer (rank 0, which hosts the store) and every engine rank call this with the
-    same address, port, world size and group name.
+    same address, port, world size and group name; the rendezvous is SGLang's
+    (:mod:`titan_rl.sync.process_group`).
     """
     if backend != "gloo":
         raise RequestError(
@@ -250,13 +250,11 @@ def join_weight_update_group(
         )
     if not 0 <= rank < world_size:
         raise RequestError(f"rank {rank} is outside world_size {world_size}")
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout
+    from titan_rl.sync.process_group import init_weights_update_group
+
+    return init_weights_update_group(
+        master_address, master_port, rank, world_size, group_name, backend, timeout_s
     )
-    prefixed = dist.PrefixStore(f"titan_weight_update/{group_name}", store)
-    pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return pg
 
 
 def receive_broadcast(

@@ -10,13 +10,11 @@ import os
 import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
-import torch.distributed as dist
 import torch.multiprocessing
 
 from titan_rl.rollout import SGLangClient
@@ -28,6 +26,7 @@ from titan_rl.sync.buckets import (
     flatten_into,
 )
 from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.process_group import destroy_weights_update_group, init_weights_update_group
 
 Failures = dict[str, BaseException]
 
@@ -185,15 +184,10 @@ class DiskTransport(Transport):
 def _join_group(
     addr: str, port: int, rank: int, world: int, name: str, backend: str, timeout_s: float
 ) -> Any:
-    """A standalone process group (the rendezvous layout the built-in engine uses)."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(f"titan_weight_update/{name}", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-    if backend == "nccl":  # GPU only
-        return dist.ProcessGroupNCCL(prefixed, rank, world)
-    raise ValueError(f"sync.backend {backend!r}: use gloo (CPU) or nccl (CUDA)")
+    """The trainer's side of ``init_weights_update_group`` (SGLang's rendezvous layout)."""
+    if backend not in ("gloo", "nccl", "mccl"):
+        raise ValueError(f"sync.backend {backend!r}: use gloo (CPU), nccl (CUDA) or mccl (MUSA)")
+    return init_weights_update_group(addr, port, rank, world, name, backend, timeout_s)
 
 
 def _free_port(host: str) -> int:
@@ -260,9 +254,11 @@ class DistributedTransport(Transport):
 
     async def destroy(self, engines: list[Engine]) -> None:
         for e in engines:
-            if self.groups.pop(e.url, None) is not None:
+            pg = self.groups.pop(e.url, None)
+            if pg is not None:
                 with contextlib.suppress(Exception):
                     await e.client.destroy_weights_update_group(self._name(e))
+                destroy_weights_update_group(pg)
 
 
 class MooncakeTransport(Transport):
