@@ -106,3 +106,14 @@ def _check_rl_trace(path: Path, steps: list[int], ppo_steps: int, microbatches: 
         for kind in ("fwd", "bwd"):
             got = [e for e in inside if e["name"].startswith(f"titan/microbatch/{kind}/")]
             assert len(got) == ppo_steps * microbatches, (kind, [e["name"] for e in got])
+    # the analyzer splits each profiled step into its RL phases
+    out = path.parent.parent / "trace_report"
+    subprocess.run(
+        [sys.executable, "-m", "titan_core.trace", "analyze", str(path.parent), "--out", str(out)],
+        check=True, capture_output=True, cwd=REPO,
+    )  # fmt: skip
+    (rank,) = json.loads((out / "summary.json").read_text())["ranks"]
+    for entry in rank["steps"]:
+        phases = entry["rl_phases_us"]
+        assert set(phases) == {"rollout", "train", "sync"}
+        assert 0 < sum(phases.values()) <= entry["step_time_us"]

@@ -197,6 +197,8 @@ def _rank_entry(r: RankResult) -> dict[str, Any]:
                 },
             }
         )
+        if s.phases:  # RL steps: time in rollout / train / sync
+            steps[-1]["rl_phases_us"] = dict(sorted(s.phases.items()))
     return {
         "rank": r.rank,
         "file": r.path,

@@ -23,6 +23,8 @@ from titan_core.trace.parse import Events, RankTrace
 _STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 #: ``record_function`` ranges Titan emits per microbatch: titan/microbatch/fwd/mb3/vs0
 MICROBATCH_RE = re.compile(r"^titan/microbatch/(fwd|bwd)/mb(\d+)(?:/vs(\d+))?")
+#: RL step phases titan_rl.grpo emits: titan/rl/rollout, titan/rl/train, titan/rl/sync
+RL_PHASE_PREFIX = "titan/rl/"
 
 
 @dataclass
@@ -40,6 +42,8 @@ class StepStats:
     kernel_wait: int = 0
     other_wait: int = 0
     microbatches: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    #: RL phase -> microseconds inside this step (titan/rl/<phase> ranges)
+    phases: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +158,7 @@ def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
         sets, launch_of = _cpu_sets(ev, cfg, comm_ops, steps), None
     mbs = _microbatches(ev, gpu)
     step_stats = _step_stats(steps, gpu, sets, launch_of, cfg, mbs)
+    _assign_phases(ev, step_stats)
     _assign_steps(comm_ops, step_stats)
     comp = sets[0]
     if len(comp[0]):  # close <20us gaps
@@ -280,6 +285,20 @@ def _cpu_sets(
             raw = iv.merge(ev.ops_ts, ev.ops_end)
     compute = iv.subtract(raw, comm)
     return [compute, comm, ([], [])]
+
+
+def _assign_phases(ev: Events, steps: list[StepStats]) -> None:
+    """Sum each step's ``titan/rl/<phase>`` host ranges (the RL loop's rollout/train/sync)."""
+    if not steps:
+        return
+    starts = [s.start for s in steps]
+    for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
+        if not name.startswith(RL_PHASE_PREFIX):
+            continue
+        i = bisect_left(starts, ts + 1) - 1
+        if i >= 0 and ts < steps[i].end:
+            phase = name[len(RL_PHASE_PREFIX) :]
+            steps[i].phases[phase] = steps[i].phases.get(phase, 0) + int(end - ts)
 
 
 def _microbatches(ev: Events, gpu: GpuEvents) -> list[tuple[str, int, int, int, int]]:
