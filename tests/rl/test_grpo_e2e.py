@@ -28,18 +28,18 @@ def base(tmp_path_factory) -> Path:
 
 
 def test_default_task_accuracy_rises(tmp_path, base):
-    """The demo's own settings, shortened: held-out accuracy rises within 40 GRPO steps
-    (measured: 0.41 -> 0.55; the full 200-step demo ends near 0.69)."""
+    """The demo's own settings, shortened: held-out accuracy rises within 20 GRPO steps
+    (measured: 0.41 -> 0.53; the full 200-step demo ends near 0.69)."""
     run_dir = tmp_path / "math"
     proc = subprocess.run(
         [sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
-         f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=40",
+         f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=20",
          "run.eval_interval=20", "run.save_interval=0"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 20, 40]
+    assert [r["step"] for r in evals] == [0, 20]
     first, last = evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]
     assert first > 0.1, f"the base answers only {first:.1%} of held-out problems"
     assert last >= first + 0.05, f"held-out accuracy went {first:.3f} -> {last:.3f}"
