@@ -3,6 +3,7 @@ sync, the reward rising on an easy task; then stop and resume at the right step.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ def base(tmp_path_factory) -> Path:
         [sys.executable, "-m", "titan_core.pretrain", "--config",
          str(REPO / "examples/pretrain_math_base.yaml"), f"run.dir={d}"],
         check=True, capture_output=True, cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="2"),  # alone on the machine, as `make demo` runs it
     )  # fmt: skip
     return d / "checkpoints"
 
