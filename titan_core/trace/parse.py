@@ -52,7 +52,9 @@ class TraceError(Exception):
 _Num = int | float | str | None
 
 
-class _Args(msgspec.Struct, frozen=True, gc=False):
+class _CommArgs(msgspec.Struct, frozen=True, gc=False):
+    """The event args every decode reads (ids, streams and comm metadata)."""
+
     # ints as Kineto writes them; a file with other types takes the slow path
     correlation: int = -1
     stream: int = -1
@@ -65,6 +67,9 @@ class _Args(msgspec.Struct, frozen=True, gc=False):
     pg_desc: str | None = msgspec.field(default=None, name="Process Group Description")
     pg_ranks: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Process Group Ranks")
     seq: _Num = msgspec.field(default=None, name="Seq")
+
+
+class _Args(_CommArgs, frozen=True, gc=False):
     input_dims: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input Dims")
     input_type: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Input type")
 
@@ -72,22 +77,11 @@ class _Args(msgspec.Struct, frozen=True, gc=False):
 _NO_ARGS = _Args()
 
 
-class _LeanArgs(msgspec.Struct, frozen=True, gc=False):
+class _LeanArgs(_CommArgs, frozen=True, gc=False):
     """:class:`_Args` without the input shapes, which every CPU op carries and only comm
     ranges need: skipping them saves about a fifth of the decoding. A piece holding a comm
     event is decoded again with :class:`_Args` (see :meth:`_Sorter.add`)."""
 
-    correlation: int = -1
-    stream: int = -1
-    collective: str | None = msgspec.field(default=None, name="Collective name")
-    in_nelems: _Num = msgspec.field(default=None, name="In msg nelems")
-    out_nelems: _Num = msgspec.field(default=None, name="Out msg nelems")
-    group_size: _Num = msgspec.field(default=None, name="Group size")
-    dtype: str | None = None
-    pg_name: str | int | None = msgspec.field(default=None, name="Process Group Name")
-    pg_desc: str | None = msgspec.field(default=None, name="Process Group Description")
-    pg_ranks: msgspec.Raw = msgspec.field(default_factory=msgspec.Raw, name="Process Group Ranks")
-    seq: _Num = msgspec.field(default=None, name="Seq")
     input_dims: ClassVar[msgspec.Raw] = msgspec.Raw()
     input_type: ClassVar[msgspec.Raw] = msgspec.Raw()
 

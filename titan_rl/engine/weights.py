@@ -326,33 +326,29 @@ def checkpoint_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor],
         transposed = bool(getattr(module, "is_transposed", False))
         if not getattr(module, "has_gate", True):
             raise ValueError(f"{prefix}: fused experts without a gate are not mapped")
-        views: dict[str, list[torch.Tensor]] = {}
         # [E, 2I, H] (gate rows, then up rows) and [E, H, I]; transposed: [E, H, 2I], [E, I, H]
         gu = gate_up.transpose(1, 2) if transposed else gate_up
         dn = down.transpose(1, 2) if transposed else down
         inter = gu.shape[1] // 2
-        views["gate_proj"] = [gu[e, :inter] for e in range(gu.shape[0])]
-        views["up_proj"] = [gu[e, inter:] for e in range(gu.shape[0])]
-        views["down_proj"] = [dn[e] for e in range(dn.shape[0])]
-        for whole, parts in _FUSED_EXPERTS.items():
-            for part in parts:
-                for e, view in enumerate(views[part]):
-                    name = f"{prefix}.{e}.{part}.weight"
-                    targets[name] = view
-                    fused[name] = f"{prefix}.{whole}"
-        gu_bias, dn_bias = (
-            state.get(f"{prefix}.gate_up_proj_bias"),
-            state.get(f"{prefix}.down_proj_bias"),
-        )
-        biases = {
-            "gate_proj": [] if gu_bias is None else [b[:inter] for b in gu_bias],
-            "up_proj": [] if gu_bias is None else [b[inter:] for b in gu_bias],
-            "down_proj": [] if dn_bias is None else list(dn_bias),
+        gu_bias = state.get(f"{prefix}.gate_up_proj_bias")
+        dn_bias = state.get(f"{prefix}.down_proj_bias")
+        per_expert = {  # (HF suffix, fused suffix) -> one view per expert
+            ("weight", ""): {
+                "gate_proj": [w[:inter] for w in gu],
+                "up_proj": [w[inter:] for w in gu],
+                "down_proj": list(dn),
+            },
+            ("bias", "_bias"): {
+                "gate_proj": [] if gu_bias is None else [b[:inter] for b in gu_bias],
+                "up_proj": [] if gu_bias is None else [b[inter:] for b in gu_bias],
+                "down_proj": [] if dn_bias is None else list(dn_bias),
+            },
         }
-        for whole, parts in _FUSED_EXPERTS.items():
-            for part in parts:
-                for e, view in enumerate(biases[part]):
-                    name = f"{prefix}.{e}.{part}.bias"
-                    targets[name] = view
-                    fused[name] = f"{prefix}.{whole}_bias"
+        for (suffix, fused_suffix), views in per_expert.items():
+            for whole, parts in _FUSED_EXPERTS.items():
+                for part in parts:
+                    for e, view in enumerate(views[part]):
+                        name = f"{prefix}.{e}.{part}.{suffix}"
+                        targets[name] = view
+                        fused[name] = f"{prefix}.{whole}{fused_suffix}"
     return targets, fused
