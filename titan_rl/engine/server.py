@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import gc
 import hmac
 import logging
 import time
@@ -121,7 +123,6 @@ def create_app(
     served_model_name: str | None = None,
 ) -> FastAPI:
     """Build the HTTP app around an Engine."""
-    app = FastAPI(title="titan-rl built-in engine", docs_url=None, redoc_url=None, openapi_url=None)
     # recent_buckets: the last tensor payloads stay referenced, so a sender that reuses its
     # shared-memory staging buffers (titan_rl.sync does) is mapped once, not on every update:
     # torch's rebuild_storage_filename finds the live storage in its cache.
@@ -130,6 +131,22 @@ def create_app(
         "started": time.time(),
         "recent_buckets": collections.deque(maxlen=2),
     }
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Shared-memory segments are unlinked by whichever process drops the last mapping;
+        # release ours on a clean stop so /dev/shm does not keep them after both sides exit.
+        state["recent_buckets"].clear()
+        gc.collect()
+
+    app = FastAPI(
+        title="titan-rl built-in engine",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+    )
 
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:

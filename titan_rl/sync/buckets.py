@@ -35,7 +35,11 @@ def flatten_into(buf: torch.Tensor, named: NamedTensors) -> tuple[torch.Tensor, 
             raise ValueError(
                 f"bucket of {bucket_nbytes(named)} bytes does not fit the {buf.numel()}-byte buffer"
             )
-        buf[offset : offset + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+        dst = buf[offset : offset + n]
+        if offset % t.element_size() == 0:  # strided sources (QKV slices) copy in one pass
+            dst.view(t.dtype).view(t.shape).copy_(t.detach())
+        else:
+            dst.copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
         meta.append(meta_cls(name, t.shape, t.dtype, offset, offset + n, t.numel()))
         offset += n
     return buf[:offset], meta

@@ -77,20 +77,27 @@ class Transport(ABC):
 
 
 class _Staging:
-    """A reusable flattening buffer (shared memory on CPU, device memory on GPU)."""
+    """A reusable flattening buffer (shared memory on CPU, device memory on GPU).
 
-    def __init__(self, device: torch.device, nbytes: int) -> None:
-        self.device, self.nbytes = device, nbytes
+    It grows to the largest bucket seen (at most ``sync.bucket_bytes`` unless one tensor is
+    larger), so a small model does not pin a full bucket of shared memory.
+    """
+
+    def __init__(self, device: torch.device, shared: bool = True) -> None:
+        self.device, self.shared = device, shared and device.type == "cpu"
         self.buf: torch.Tensor | None = None
 
     def get(self, need: int) -> torch.Tensor:
-        size = max(need, self.nbytes)
-        if self.buf is None or self.buf.numel() < size:
-            if self.device.type == "cpu":  # shared by file name: any local process can open it
+        if self.buf is None or self.buf.numel() < need:
+            self.buf = None  # drop the old segment before mapping a larger one
+            if self.shared:  # shared by file name: any local process can open it
                 torch.multiprocessing.set_sharing_strategy("file_system")
-            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self.buf = buf.share_memory_() if self.device.type == "cpu" else buf
+            buf = torch.empty(need, dtype=torch.uint8, device=self.device)
+            self.buf = buf.share_memory_() if self.shared else buf
         return self.buf
+
+    def release(self) -> None:
+        self.buf = None
 
 
 class TensorTransport(Transport):
@@ -105,8 +112,12 @@ class TensorTransport(Transport):
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
-        self.staging = [_Staging(device, cfg.bucket_bytes), _Staging(device, cfg.bucket_bytes)]
+        self.staging = [_Staging(device), _Staging(device)]
         self._turn = 0
+
+    def close(self) -> None:
+        for s in self.staging:
+            s.release()
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         staging = self.staging[self._turn]
@@ -205,7 +216,7 @@ class DistributedTransport(Transport):
         super().__init__(cfg, device)
         self.backend = backend
         self.groups: dict[str, Any] = {}
-        self.staging = _Staging(device, cfg.bucket_bytes)
+        self.staging = _Staging(device, shared=False)
 
     def _name(self, e: Engine) -> str:
         return f"{self.cfg.group_name}-{e.index}"
@@ -277,7 +288,7 @@ class MooncakeTransport(Transport):
                 f"Mooncake TransferEngine.initialize({cfg.mooncake_host!r}, P2PHANDSHAKE, "
                 f"{cfg.mooncake_protocol!r}) failed with {rc}; check sync.mooncake_host"
             )
-        self.staging = _Staging(torch.device("cpu"), cfg.bucket_bytes)
+        self.staging = _Staging(torch.device("cpu"), shared=False)
         self._registered: tuple[int, int] | None = None
         self.http = httpx.AsyncClient(timeout=cfg.timeout_s)
 
