@@ -86,11 +86,16 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
 
 
 def test_async_rollout_runs(tmp_path, base):
+    shm = Path("/dev/shm")
+    before = set(shm.glob("torch_*")) if shm.is_dir() else set()
     run_dir = tmp_path / "async"
     _grpo(run_dir, base, 3, "rollout.async=true", "algo.use_tis=true")
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all("train/tis_mean" in r for r in recs)
+    # the tensor transport's shared-memory buckets are unlinked once trainer and engine stop
+    if shm.is_dir():
+        assert set(shm.glob("torch_*")) - before == set()
 
 
 def _check_rl_trace(path: Path, steps: list[int], ppo_steps: int, microbatches: int) -> None:
