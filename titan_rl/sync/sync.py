@@ -141,7 +141,9 @@ class WeightSync:
         """
         version = str(step if version is None else version)
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
-        buckets = self.bridge.export(chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype)
+        buckets = self.bridge.export(
+            chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype, views=True
+        )
         if _rank() != self.dst:
             for _ in buckets:  # take part in the gathers
                 pass

@@ -405,11 +405,15 @@ class HFBridge:
         bucket_bytes: int = 512 << 20,
         dst: int = 0,
         dtype: torch.dtype | None = None,
+        views: bool = False,
     ) -> Iterator[NamedTensors]:
         """Full HF tensors, bucket by bucket, on global rank ``dst``.
 
         Every rank must iterate the generator to the end (it takes part in the gathers); only
-        ``dst`` gets buckets. A tensor larger than ``bucket_bytes`` travels alone.
+        ``dst`` gets buckets. A tensor larger than ``bucket_bytes`` travels alone. The tensors
+        are contiguous; with ``views=True``, a local tensor may instead be a strided view of
+        the live parameter (a QKV slice), for a caller that copies it into a bucket anyway and
+        reads it before the next optimizer step.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -440,12 +444,12 @@ class HFBridge:
                 got: NamedTensors = []
                 if stage == layout.pp.rank:
                     named = self._materialize(items[idx], layout, chunks)
-                    named = [(n, t.to(out_dtype).contiguous()) for n, t in named]
+                    named = [(n, t.to(out_dtype)) for n, t in named]
                     if rank == dst:
-                        got = named
+                        got = named if views else [(n, t.contiguous()) for n, t in named]
                     elif sender:
                         for _, t in named:
-                            dist.send(t, dst)
+                            dist.send(t.contiguous(), dst)
                 elif rank == dst:
                     for n, shape in meta:
                         t = torch.empty(shape, dtype=out_dtype)
