@@ -26,13 +26,15 @@ from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_
 from titan_core.trace.stragglers import clock_offsets, slow_ranks
 
 
-def _work(path: str, cfg: TraceConfig, cache_dir: str | None) -> RankResult | tuple[str, str]:
+def _work(
+    path: str, cfg: TraceConfig, cache_dir: str | None, parts: int = 1
+) -> RankResult | tuple[str, str]:
     # parsing and reducing a rank allocates many objects and frees them by reference
     # counting: the cyclic GC would only rescan them over and over
     gc_was = gc.isenabled()
     gc.disable()
     try:
-        rt = load_cached(path, cfg, cache_dir)
+        rt = load_cached(path, cfg, cache_dir, parts)
         return analyze_rank(rt, cfg, -1 if rt.rank is None else rt.rank)
     except TraceError as exc:
         return (path, str(exc))
@@ -90,8 +92,8 @@ def load_ranks(
             if bar:
                 bar.update(1)
     elif workers <= 1 or len(files) <= 1 or _small(files, workers):
-        for f in files:
-            raw.append(_work(f, cfg, cache))
+        for f in files:  # one at a time, each big one decoded by all workers
+            raw.append(_work(f, cfg, cache, parts=workers))
             if bar:
                 bar.update(1)
     else:
