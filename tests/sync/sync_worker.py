@@ -2,7 +2,9 @@
 
 ``python tests/sync/sync_worker.py --engines URL.. --model-dir HF --out out.json
 --transports tensor disk ...`` (torchrun for TP / PP > 1). Before each transport's sync the trainer's
-weights are perturbed, so every sync carries weights the engine has not seen.
+weights are perturbed in place, so every sync carries weights the engine has not seen.
+``tensor-direct`` is the tensor transport with ``sync.tensor_format=direct``; ``--syncs N``
+syncs N times per transport (perturbing before each), reporting each in ``rounds``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main() -> None:
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--agents", nargs="*", default=[])
     ap.add_argument("--no-perturb", action="store_true")
+    ap.add_argument("--syncs", type=int, default=1)
     a = ap.parse_args()
 
     from titan_core.config.pretrain import PretrainConfig
@@ -60,25 +63,38 @@ def main() -> None:
     HFBridge(a.model_dir).load(chunks, a.model_dir)
     results = []
     for i, transport in enumerate(a.transports):
-        if not a.no_perturb:
-            with torch.no_grad():
-                g = torch.Generator().manual_seed(100 + i)
-                for chunk in chunks:
-                    for p in chunk.parameters():
-                        p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+        extra = {"tensor_format": "direct"} if transport == "tensor-direct" else {}
         sc = SyncConfig(
-            transport=transport, bucket_bytes=a.bucket_bytes, disk_dir=a.disk_dir,
-            mooncake_agents=a.agents, check_every=1, strict=False,
+            transport=transport.removesuffix("-direct"), bucket_bytes=a.bucket_bytes,
+            disk_dir=a.disk_dir, mooncake_agents=a.agents, check_every=1, strict=False, **extra,
         )  # fmt: skip
         ws = WeightSync(sc, a.engines, a.model_dir)
-        res: dict = {"transport": transport, "version": f"v{i + 1}"}
-        res["before"] = ws.check(chunks)
-        try:
-            res["metrics"] = ws.sync(chunks, step=i + 1, version=f"v{i + 1}")
-        except WeightSyncError as e:
-            res["error"] = str(e)
-            res["failed"] = sorted(e.failures)
-            res["after"] = ws.check(chunks)
+        res: dict = {"transport": transport, "rounds": []}
+        for j in range(a.syncs):
+            if not a.no_perturb:  # in place, as an optimizer step
+                with torch.no_grad():
+                    g = torch.Generator().manual_seed(100 + i + 1000 * j)
+                    for chunk in chunks:
+                        for p in chunk.parameters():
+                            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+            version = f"v{i + 1}" if a.syncs == 1 else f"v{i + 1}.{j + 1}"
+            rnd: dict = {"version": version, "before": ws.check(chunks)}
+            try:
+                rnd["metrics"] = ws.sync(chunks, step=i + 1, version=version)
+            except WeightSyncError as e:
+                rnd["error"] = str(e)
+                rnd["failed"] = sorted(e.failures)
+                rnd["after"] = ws.check(chunks)
+            res["rounds"].append(rnd)
+            if "error" in rnd:
+                break
+        # top level: the first sync's "before", the last one's outcome
+        res.update({**res["rounds"][-1], "before": res["rounds"][0]["before"]})
+        params = [p for chunk in chunks for p in chunk.parameters()]
+        res["shared_params"] = all(p.is_shared() for p in params)
+        if transport.startswith("tensor"):  # bytes copied into staging buffers
+            staging = ws._transport.staging if ws._transport is not None else []
+            res["staged_bytes"] = sum(s.buf.numel() for s in staging if s.buf is not None)
         ws.close()
         results.append(res)
     if dist.get_rank() == 0:

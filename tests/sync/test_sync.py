@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,8 +137,6 @@ def agent(engine: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> It
         except httpx.HTTPError:
             if p.poll() is not None:
                 pytest.fail(f"mooncake agent exited: {Path(log.name).read_text()[-2000:]}")
-            import time
-
             time.sleep(0.2)
     yield url
     p.terminate()
@@ -149,7 +148,8 @@ def agent(engine: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> It
 def test_every_transport_reaches_parity(
     engine: ServerProcess, model_dir: Path, agent: str, tmp_path: Path
 ) -> None:
-    transports = ["tensor", "distributed", "disk"] + (["mooncake"] if HAVE_MOONCAKE else [])
+    transports = ["tensor", "tensor-direct", "distributed", "disk"]
+    transports += ["mooncake"] if HAVE_MOONCAKE else []
     results = run_worker(
         tmp_path, "--engines", engine.url, "--model-dir", str(model_dir),
         "--disk-dir", str(tmp_path / "disk"), "--transports", *transports,
@@ -168,16 +168,59 @@ def test_every_transport_reaches_parity(
         pytest.skip("mooncake-transfer-engine-non-cuda is not installed: mooncake not checked")
 
 
+def _shm_segments() -> set[Path]:
+    shm = Path("/dev/shm")
+    return set(shm.glob("torch_*")) if shm.is_dir() else set()
+
+
+def test_direct_tensor_format_sends_the_live_parameters(model_dir: Path, tmp_path: Path) -> None:
+    # sync.tensor_format=direct: the trainer's parameters (moved into shared memory) travel as
+    # they are and the engine copies them; q/k/v are written into shared-memory shadows, so
+    # nothing is staged. Two syncs with an in-place change of the parameters in between (as an
+    # optimizer step does): the second must carry the new values, and before it the engine
+    # must still serve the first ones (it holds a copy, not the trainer's memory).
+    segments = _shm_segments()
+    engine = start_engine(model_dir, tmp_path, "direct-engine")
+    try:
+        before, scores = weight_version(engine.url), engine_scores(engine.url)
+        (r,) = run_worker(
+            tmp_path, "--engines", engine.url, "--model-dir", str(model_dir),
+            "--transports", "tensor-direct", "--syncs", "2",
+        )  # fmt: skip
+        assert "error" not in r, r
+        assert r["shared_params"] and r["staged_bytes"] == 0, r
+        assert [x["version"] for x in r["rounds"]] == ["v1.1", "v1.2"]
+        for rnd in r["rounds"]:
+            assert rnd["before"]["sync/logprob_abs_diff_max"] > 0.1, rnd
+            m = rnd["metrics"]
+            assert m["sync/logprob_abs_diff_mean"] < 1e-4, rnd
+            assert m["sync/logprob_abs_diff_max"] < 1e-4, rnd
+            assert m["sync/buckets"] > 1 and m["sync/bytes"] > 0, rnd
+        assert weight_version(engine.url) == "v1.2" != before
+        assert engine_scores(engine.url) != scores
+    finally:
+        engine.stop()
+    # The engine kept the parameters' segments mapped across syncs; with trainer and engine
+    # gone, no segment is left behind.
+    deadline = time.monotonic() + 20
+    while _shm_segments() - segments and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _shm_segments() - segments == set()
+
+
 @pytest.mark.slow
 def test_tp2_trainer_syncs_gathered_weights(
     engine: ServerProcess, model_dir: Path, tmp_path: Path
 ) -> None:
-    (r,) = run_worker(
+    # direct: the TP-gathered tensors are temporaries, staged; the replicated ones go as they are
+    results = run_worker(
         tmp_path, "--engines", engine.url, "--model-dir", str(model_dir), "--tp", "2",
-        "--transports", "tensor", nproc=2,
+        "--transports", "tensor", "tensor-direct", nproc=2,
     )  # fmt: skip
-    assert "error" not in r, r
-    assert r["metrics"]["sync/logprob_abs_diff_max"] < 1e-4
+    for r in results:
+        assert "error" not in r, r
+        assert r["metrics"]["sync/logprob_abs_diff_max"] < 1e-4
+    assert results[1]["staged_bytes"] > 0
 
 
 @pytest.mark.slow
@@ -227,8 +270,11 @@ def moe_engine(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_qwen3_moe_per_expert_names_reach_parity(
     moe_engine: ServerProcess, moe_dir: Path, tmp_path: Path, ep: int
 ) -> None:
-    # The exporter names experts one by one; the engine's model holds them fused.
-    transports = ["tensor", "distributed", "disk"] if ep == 1 else ["tensor"]
+    # The exporter names experts one by one; the engine's model holds them fused. direct at
+    # EP=2: the experts gathered from the other rank are staged, the local ones go as they are.
+    transports = ["tensor", "tensor-direct", "distributed", "disk"]
+    if ep > 1:
+        transports = ["tensor", "tensor-direct"]
     results = run_worker(
         tmp_path, "--engines", moe_engine.url, "--model-dir", str(moe_dir), "--ep", str(ep),
         "--disk-dir", str(tmp_path / "disk"), "--transports", *transports, nproc=ep,
@@ -261,6 +307,31 @@ def test_failure_mid_sync_restores_old_weights_and_version(model_dir: Path, tmp_
         assert engine_scores(engine.url) == scores
     finally:
         engine.stop()
+
+
+def test_engine_keeps_the_storages_of_two_weight_versions_mapped() -> None:
+    import torch
+
+    from titan_rl.engine.server import MappedStorages
+
+    mapped = MappedStorages(max_bytes=1000)
+    a, b, c = torch.zeros(10), torch.zeros(10), torch.zeros(100)  # 40, 40, 400 bytes
+    key = {n: t.untyped_storage().data_ptr() for n, t in (("a", a), ("b", b), ("c", c))}
+    mapped.add([("a", a), ("a.half", a[5:])])  # one storage, however many views
+    mapped.add([("b", b)])
+    assert len(mapped) == 2
+    mapped.new_version()  # v1: a, b
+    mapped.add([("a", a)])  # v2 resends a (found mapped); b stays until v2 is complete
+    assert set(mapped.current) == {key["a"]} and set(mapped.previous) == {key["a"], key["b"]}
+    mapped.new_version()  # v2: a; b is dropped
+    assert set(mapped.previous) == {key["a"]} and not mapped.current
+    mapped.add([("c", c)])
+    mapped.new_version()
+    assert set(mapped.previous) == {key["c"]} and not mapped.current
+    # a sender that never bumps the version: a version ends at max_bytes
+    for _ in range(5):
+        mapped.add([("x", torch.zeros(100))])
+    assert mapped.current_bytes <= 1000 and len(mapped) <= 5
 
 
 def test_config_errors_say_what_to_do() -> None:

@@ -6,7 +6,6 @@ Every user error is a 4xx with ``{"error": {"message": ...}}``; the server keeps
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import gc
 import hmac
@@ -16,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -123,13 +123,10 @@ def create_app(
     served_model_name: str | None = None,
 ) -> FastAPI:
     """Build the HTTP app around an Engine."""
-    # recent_buckets: the last tensor payloads stay referenced, so a sender that reuses its
-    # shared-memory staging buffers (titan_rl.sync does) is mapped once, not on every update:
-    # torch's rebuild_storage_filename finds the live storage in its cache.
     state: dict[str, Any] = {
         "groups": {},
         "started": time.time(),
-        "recent_buckets": collections.deque(maxlen=2),
+        "mapped": MappedStorages(_mapped_limit(engine)),
     }
 
     @contextlib.asynccontextmanager
@@ -137,7 +134,7 @@ def create_app(
         yield
         # Shared-memory segments are unlinked by whichever process drops the last mapping;
         # release ours on a clean stop so /dev/shm does not keep them after both sides exit.
-        state["recent_buckets"].clear()
+        state["mapped"].clear()
         gc.collect()
 
     app = FastAPI(
@@ -424,7 +421,7 @@ def create_app(
             )
         try:
             named = await asyncio.to_thread(decode_tensor_payload, payloads[0], load_format)
-            state["recent_buckets"].append(named)
+            state["mapped"].add(named)
 
             def apply() -> int:
                 n = engine.load_named_tensors(named)
@@ -434,6 +431,8 @@ def create_app(
             n = await update_on_engine(apply)
         except RequestError as e:
             return _fail(str(e))
+        if data.get("weight_version") is not None:
+            state["mapped"].new_version()
         return _ok(f"Succeeded to update {n} tensors.")
 
     @app.post("/init_weights_update_group")
@@ -528,6 +527,7 @@ def create_app(
             engine.weight_version = str(version)
 
         await on_engine(apply)
+        state["mapped"].new_version()
         return _ok(f"Weight version updated to {version}")
 
     @app.post("/get_weights_by_name")
@@ -541,6 +541,56 @@ def create_app(
         return ORJSONResponse(tensor.flatten()[:truncate].float().tolist())
 
     return app
+
+
+class MappedStorages:
+    """The storages of recent ``/update_weights_from_tensor`` payloads, kept referenced.
+
+    A sender that reuses its shared memory (titan_rl.sync's staging buffers, or with
+    ``tensor_format=direct`` its parameters themselves) is then mapped once, not on every
+    update: torch's ``rebuild_storage_filename`` finds the live storage in its cache, where
+    mapping a segment anew costs page faults (~3 ms per MiB under a sandboxed kernel). A direct
+    sync spans one storage per parameter and several requests, so the storages of the current
+    weight version's updates and of the previous version's are kept: the next sync finds all
+    it sends. Bounded: a version holds each storage once, and once its storages exceed
+    ``max_bytes`` (a sender that never bumps the version) it counts as a new version.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.current: dict[int, torch.UntypedStorage] = {}
+        self.previous: dict[int, torch.UntypedStorage] = {}
+        self.current_bytes = 0
+
+    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for _, t in named:
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self.current:
+                continue
+            if self.current_bytes + storage.nbytes() > self.max_bytes:
+                self.new_version()
+            self.current[key] = storage
+            self.current_bytes += storage.nbytes()
+
+    def new_version(self) -> None:
+        """The updates so far make a version: keep them (as the previous one) until the next."""
+        if self.current:
+            self.previous, self.current, self.current_bytes = self.current, {}, 0
+
+    def clear(self) -> None:
+        self.current, self.previous, self.current_bytes = {}, {}, 0
+
+    def __len__(self) -> int:
+        return len(self.current.keys() | self.previous.keys())
+
+
+def _mapped_limit(engine: Engine) -> int:
+    """The bound of :class:`MappedStorages` per version: a sync's storages are the weights
+    (sent by reference, with some staging) or a sender's staging buffers (two buckets)."""
+    model = getattr(engine, "model", None)
+    n = sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
+    return n + n // 2 + (1 << 30)
 
 
 def _check_tags(data: dict[str, Any]) -> None:

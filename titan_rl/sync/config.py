@@ -15,6 +15,15 @@ class SyncConfig(Section):
     #: atomically, then update_weights_from_disk; mooncake: TransferEngine writes into buffers
     #: registered by an agent next to each engine (``sync.mooncake_agents``).
     transport: Literal["tensor", "distributed", "disk", "mooncake"] = "tensor"
+    #: tensor transport, what a request carries. flattened_bucket (default, what slime does):
+    #: each bucket is copied into one staging buffer, so an engine opens one shared-memory
+    #: segment / IPC handle per bucket, but the weights are copied twice (trainer, then engine).
+    #: direct (``load_format="direct"``): the trainer's parameter tensors themselves (shared
+    #: memory on CPU, where the first sync moves them, so /dev/shm must hold the model; CUDA/MUSA
+    #: IPC on GPU), one copy (the engine's) instead of two. Temporaries (dtype casts, TP/EP/PP-
+    #: gathered tensors, q/k/v on GPU) are still staged; on CPU q/k/v are written into shared
+    #: memory kept for the run.
+    tensor_format: Literal["flattened_bucket", "direct"] = "flattened_bucket"
     #: flattened bucket size (one tensor larger than this travels alone).
     bucket_bytes: PositiveInt = 512 << 20
     #: dtype sent to the engines (None: the trainer's parameter dtype).

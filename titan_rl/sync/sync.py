@@ -11,6 +11,7 @@ or the last disk sync), and otherwise left paused. Either way :class:`WeightSync
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 from titan_core.models.hf import HFBridge
 from titan_rl.rollout import SGLangClient
@@ -100,6 +102,9 @@ class WeightSync:
             cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
         )
         self._transport: Transport | None = None
+        #: tensor transport sending the parameters themselves (sync.tensor_format=direct)
+        self._direct = cfg.transport == "tensor" and cfg.tensor_format == "direct"
+        self._param_storages: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
 
@@ -121,6 +126,11 @@ class WeightSync:
             return DistributedTransport(self.cfg, self.device, backend)
         return MooncakeTransport(self.cfg, self.device)
 
+    def _get_transport(self) -> Transport:
+        if self._transport is None:
+            self._transport = self._make_transport()
+        return self._transport
+
     def _engines(self) -> list[Engine]:
         """Clients kept for the whole run (connections and TLS set-up once, not per sync)."""
         if self._clients is None:
@@ -141,8 +151,17 @@ class WeightSync:
         """
         version = str(step if version is None else version)
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
+        out = None
+        if self._direct and _rank() == self.dst:
+            # The parameters themselves are sent: on CPU they must live in shared memory, and
+            # q/k/v are written into shared-memory shadows (one copy, none in staging).
+            self._param_storages = _share_parameters(chunks)
+            tr = self._get_transport()
+            if self.device.type == "cpu":
+                assert isinstance(tr, TensorTransport)
+                out = tr.shadow
         buckets = self.bridge.export(
-            chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype, views=True
+            chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype, views=True, out=out
         )
         if _rank() != self.dst:
             for _ in buckets:  # take part in the gathers
@@ -160,9 +179,9 @@ class WeightSync:
     async def _sync_engines(
         self, buckets: Iterator[NamedTensors], version: str
     ) -> dict[str, float]:
-        if self._transport is None:
-            self._transport = self._make_transport()
-        tr = self._transport
+        tr = self._get_transport()
+        if isinstance(tr, TensorTransport):
+            tr.param_storages = self._param_storages
         engines = self._engines()
         for e in engines:
             e.applied = 0
@@ -219,7 +238,8 @@ class WeightSync:
     ) -> tuple[int, int]:
         """Every bucket to every live engine; a pipelined transport keeps two in flight."""
         nbytes, nbuckets = 0, 0
-        inflight: asyncio.Future | None = None
+        limit = 2 if tr.pipelined else 1
+        inflight: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
         for bucket in buckets:  # keep iterating after failures: other ranks are gathering
             live = [e for e in engines if e.url not in failures]
             nbytes += bucket_nbytes(bucket)
@@ -227,15 +247,14 @@ class WeightSync:
             if not live:
                 continue
             task = asyncio.ensure_future(tr.send(live, bucket))
-            if inflight is not None:
-                fail(await inflight, f"bucket {nbuckets - 1}")
-                inflight = None
-            if tr.pipelined:
-                inflight = task
-            else:
-                fail(await task, f"bucket {nbuckets}")
-        if inflight is not None:
-            fail(await inflight, f"bucket {nbuckets}")
+            inflight.append((nbuckets, task))
+            await tr.submitted(task)  # before the next export holds the event loop
+            while len(inflight) >= limit:
+                k, task = inflight.popleft()
+                fail(await task, f"bucket {k}")
+        while inflight:
+            k, task = inflight.popleft()
+            fail(await task, f"bucket {k}")
         return nbytes, nbuckets
 
     async def _remember_restore_points(self, engines: list[Engine]) -> None:
@@ -316,6 +335,24 @@ class WeightSync:
         if self._loop is not None:
             self._loop.close()
             self._loop = None
+
+
+def _share_parameters(chunks: list[Any]) -> set[int]:
+    """Make the parameters sendable by reference (tensor transport, direct format); returns
+    their storage addresses.
+
+    On CPU a tensor reaches another process only through shared memory: every parameter's
+    storage is moved there in place (once: later calls find them shared), so each sync sends
+    the live parameters and the engine's copy is the only one. Sharing is by file name, which
+    any local process can open (as the staging buffers are). On an accelerator the parameters
+    travel as IPC handles as they are.
+    """
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    for p in params:
+        if p.device.type == "cpu" and not p.data.is_shared():
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            p.data.share_memory_()
+    return {p.untyped_storage().data_ptr() for p in params}
 
 
 class _Clients:

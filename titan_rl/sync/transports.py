@@ -17,12 +17,14 @@ import httpx
 import torch
 import torch.multiprocessing
 
+from titan_rl.engine.weights import unflatten
 from titan_rl.rollout import SGLangClient
 from titan_rl.sync.buckets import (
     NamedTensors,
     bucket_nbytes,
     dtype_name,
     dumps_bucket,
+    dumps_named,
     flatten_into,
 )
 from titan_rl.sync.config import SyncConfig
@@ -66,6 +68,11 @@ class Transport(ABC):
     @abstractmethod
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures: ...
 
+    async def submitted(self, task: asyncio.Future) -> None:
+        """Return once ``task`` (a :meth:`send` just started) no longer needs the event loop to
+        get its requests out: the caller then exports the next bucket, which holds the loop."""
+        await asyncio.sleep(0)
+
     async def commit(self, engines: list[Engine], version: str) -> Failures:
         return {}
 
@@ -101,26 +108,61 @@ class _Staging:
 
 
 class TensorTransport(Transport):
-    """Colocated: one ``update_weights_from_tensor`` call per flattened bucket.
+    """Colocated: ``update_weights_from_tensor``, one call per bucket.
 
-    Two staging buffers alternate, so bucket k+1 is flattened (in a worker thread) while the
-    engines load bucket k. Flattening is one bucket at a time: two copies at once would only
-    share the memory bandwidth and leave the engines idle until both are done. The buffers
-    live for the whole run: engines that keep the last buckets' storages open map them once,
-    not on every sync.
+    ``sync.tensor_format=flattened_bucket``: each bucket is copied into a staging buffer and
+    sent as one flattened uint8 tensor. Two staging buffers alternate, so bucket k+1 is
+    flattened (in a worker thread) while the engines load bucket k. Flattening is one bucket at
+    a time: two copies at once would only share the memory bandwidth and leave the engines idle
+    until both are done. The buffers live for the whole run: engines that keep the last
+    buckets' storages open map them once, not on every sync.
+
+    ``direct``: a ``[(name, tensor)]`` list whose tensors are the trainer's parameters (or
+    views of them) where they live in persistent memory, so the engine's copy is the only one.
+    On CPU the export writes q/k/v into shared-memory :meth:`shadow` tensors; other temporaries
+    (dtype casts, gathered tensors, q/k/v on an accelerator) are staged as above and sent as
+    views of the staging buffer. Two buckets in flight, as above.
+
+    One request per bucket: on a 2-core machine, smaller requests overlapping the export of the
+    next ones measured slower (the trainer's work then competes with the engine's for the
+    cores, and each request costs a round trip and an unpickling).
     """
 
     pipelined = True
+    #: direct format: staged tensors start at multiples of this (their views need no copy).
+    ALIGN = 64
+    #: direct format: event-loop turns the HTTP client is given to write the requests of a
+    #: bucket before the next bucket's export holds the loop (see :meth:`submitted`).
+    WRITE_TURNS = 8
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
+        self.direct = cfg.tensor_format == "direct"
         self.staging = [_Staging(device), _Staging(device)]
         self._turn = 0
         self._flattening: asyncio.Lock | None = None
+        #: direct format on an accelerator: storage addresses of the model's parameters (set
+        #: by WeightSync); other tensors of a bucket are temporaries and get staged.
+        self.param_storages: set[int] = set()
+        self._shadows: dict[str, torch.Tensor] = {}
+        self._posted: asyncio.Event | None = None
 
     def close(self) -> None:
         for s in self.staging:
             s.release()
+        self._shadows.clear()
+
+    def shadow(self, name: str, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """Direct format on CPU: the shared-memory tensor the export writes ``name`` into when
+        it builds it (q/k/v of a fused QKV), the same one every sync. Sent as it is, it costs
+        the export's copy alone, where a temporary is copied again into the staging buffer;
+        engines map it once. Costs shared memory of the size of those tensors for the run."""
+        t = self._shadows.get(name)
+        if t is None or t.shape != shape or t.dtype != dtype:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            t = torch.empty(shape, dtype=dtype).share_memory_()
+            self._shadows[name] = t
+        return t
 
     async def begin(self, engines: list[Engine], version: str) -> Failures:
         # Every sync starts on the first buffer, so a model of one bucket reuses one mapping
@@ -129,16 +171,29 @@ class TensorTransport(Transport):
         self._flattening = asyncio.Lock()  # of this sync's event loop
         return {}
 
-    async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
+    async def _stage(self, bucket: NamedTensors, align: int = 1) -> tuple[torch.Tensor, list[Any]]:
         staging = self.staging[self._turn]
         self._turn ^= 1
         assert self._flattening is not None, "begin() opens every sync"
         async with self._flattening:
             flat, meta = await asyncio.to_thread(
-                flatten_into, staging.get(bucket_nbytes(bucket)), bucket
+                flatten_into, staging.get(bucket_nbytes(bucket, align)), bucket, align
             )
         if self.device.type != "cpu":
             torch.accelerator.synchronize()  # the copy must land before another process reads
+        return flat, meta
+
+    def persistent(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in memory the engine may read in place (a parameter's)."""
+        storage = t.untyped_storage()
+        if t.device.type == "cpu":  # WeightSync moved the parameters into shared memory
+            return storage.is_shared()
+        return storage.data_ptr() in self.param_storages
+
+    async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
+        if self.direct:
+            return await self._send_direct(engines, bucket)
+        flat, meta = await self._stage(bucket)
         payload = dumps_bucket(flat, meta)
 
         async def one(e: Engine) -> None:
@@ -148,6 +203,52 @@ class TensorTransport(Transport):
             e.applied += 1
 
         return await _each(engines, one)
+
+    async def submitted(self, task: asyncio.Future) -> None:
+        await asyncio.sleep(0)  # the send starts, and sets _posted before it first waits
+        posted = self._posted
+        if not self.direct or posted is None:
+            return
+        waiter = asyncio.ensure_future(posted.wait())
+        await asyncio.wait([waiter, task], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        for _ in range(self.WRITE_TURNS):
+            await asyncio.sleep(0)
+
+    async def _send_direct(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
+        self._posted = posted = asyncio.Event()
+        named = list(bucket)
+        # Tensor calls of the trainer's thread pass through the CPU accelerator's torch-function
+        # mode (titan_core.accelerator.megatron_compat); a worker thread has none, so on CPU the
+        # per-tensor work (checks, pickling) runs there, about twice as fast.
+        cpu = self.device.type == "cpu"
+        idx = await asyncio.to_thread(
+            lambda: [i for i, (_, t) in enumerate(named) if not self.persistent(t)]
+        )
+        if idx:
+            flat, meta = await self._stage([named[i] for i in idx], self.ALIGN)
+            for i, (_, view) in zip(idx, unflatten(flat, meta), strict=True):
+                named[i] = (named[i][0], view)
+
+        def dumps() -> list[str]:
+            # one dump per engine: each unpickling drops the transfer reference it took
+            return [dumps_named(named) for _ in engines]
+
+        payloads = await asyncio.to_thread(dumps) if cpu else dumps()
+        posted.set()
+
+        async def one(e: Engine, payload: str) -> None:
+            await e.client.update_weights_from_tensor(
+                [payload], load_format="direct", flush_cache=False
+            )
+            e.applied += 1
+
+        results = await asyncio.gather(
+            *(one(e, p) for e, p in zip(engines, payloads, strict=True)), return_exceptions=True
+        )
+        return {
+            e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
+        }
 
 
 class DiskTransport(Transport):

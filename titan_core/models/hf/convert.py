@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,8 @@ from titan_core.models.hf.families import (
 )
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+#: where an export writes the HF tensor of a name and shape (see :meth:`HFBridge.export`)
+Alloc = Callable[[str, torch.Size], torch.Tensor]
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -269,12 +271,20 @@ class HFBridge:
         k, v = k.reshape(ng, hd, *tail), v.reshape(ng, hd, *tail)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
 
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_qkv(
+        self, qkv: torch.Tensor, out: list[torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Megatron's fused QKV -> HF q, k, v (copied into ``out``'s contiguous tensors if given,
+        converting to their dtype)."""
         ng, hd = self.num_groups, self.head_dim
         qpg = self.num_heads // ng
         tail = qkv.shape[1:]
         g = qkv.reshape(ng, (qpg + 2) * hd, *tail)
         q, k, v = torch.split(g, [qpg * hd, hd, hd], dim=1)
+        if out is not None:
+            for dst, src in zip(out, (q, k, v), strict=True):
+                dst.view(ng, -1, *tail).copy_(src)
+            return out[0], out[1], out[2]
         return (
             q.reshape(-1, *tail).contiguous(),
             k.reshape(-1, *tail).contiguous(),
@@ -337,8 +347,11 @@ class HFBridge:
         return full.chunk(axis.size, dim=item.param.partition_dim)[axis.rank]
 
     # -- export --------------------------------------------------------------------------------
-    def _gather(self, item: _Item, axis: _Axis | None) -> list[torch.Tensor]:
-        """The full megatron tensor(s) of ``item`` (TP-gathered); gate/up come back split."""
+    def _gather(
+        self, item: _Item, axis: _Axis | None, out: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
+        """The full megatron tensor(s) of ``item`` (TP-gathered); gate/up come back split, q/k/v
+        split into ``out`` when given."""
         local = item.param.detach()
         pieces = [local]
         if axis is not None:
@@ -354,11 +367,16 @@ class HFBridge:
         if item.vocab:
             full = full[: self.vocab_size]
         if item.rule.kind == "qkv":
-            return list(self.split_qkv(full))
+            return list(self.split_qkv(full, out))
         return [full]
 
-    def _materialize(self, item: _Item, layout: Layout, chunks: list[Any]) -> NamedTensors:
-        tensors = self._gather(item, self._axis(item, layout))
+    def _materialize(
+        self, item: _Item, layout: Layout, chunks: list[Any], out: Alloc | None = None
+    ) -> NamedTensors:
+        bufs = None
+        if out is not None and item.rule.kind == "qkv" and not item.expert:
+            bufs = [out(n, torch.Size(s)) for n, s in self._meta(item, layout, chunks)]
+        tensors = self._gather(item, self._axis(item, layout), bufs)
         if not item.expert:
             return list(zip(self._hf_names(item, None), tensors, strict=True))
         per_rank = self._num_local_experts(item, chunks)
@@ -406,6 +424,7 @@ class HFBridge:
         dst: int = 0,
         dtype: torch.dtype | None = None,
         views: bool = False,
+        out: Callable[[str, torch.Size, torch.dtype], torch.Tensor] | None = None,
     ) -> Iterator[NamedTensors]:
         """Full HF tensors, bucket by bucket, on global rank ``dst``.
 
@@ -414,6 +433,11 @@ class HFBridge:
         are contiguous; with ``views=True``, a local tensor may instead be a strided view of
         the live parameter (a QKV slice), for a caller that copies it into a bucket anyway and
         reads it before the next optimizer step.
+
+        ``out(name, shape, dtype)``: on ``dst``, where to write the HF tensors the export has
+        to build from a parameter's pieces (q/k/v of the fused QKV) instead of fresh memory:
+        a contiguous tensor of that shape and dtype the caller owns (e.g. one in shared memory
+        it reuses every sync), yielded as ``name``'s tensor.
         """
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -437,13 +461,19 @@ class HFBridge:
             stage_meta, pp_ranks = [local_meta], [rank]
         # The ranks in dst's pipeline column send what their stage gathered.
         sender = world == 1 or dst in pp_ranks
+        alloc: Alloc | None = None
+        if out is not None and rank == dst:
+
+            def alloc(name: str, shape: torch.Size) -> torch.Tensor:
+                return out(name, shape, out_dtype)
+
         bucket: NamedTensors = []
         size = 0
         for stage, metas in enumerate(stage_meta):
             for idx, meta in enumerate(metas):
                 got: NamedTensors = []
                 if stage == layout.pp.rank:
-                    named = self._materialize(items[idx], layout, chunks)
+                    named = self._materialize(items[idx], layout, chunks, alloc)
                     named = [(n, t.to(out_dtype)) for n, t in named]
                     if rank == dst:
                         got = named if views else [(n, t.contiguous()) for n, t in named]
