@@ -73,8 +73,7 @@ def test_import_is_light() -> None:
         "print(*(m in sys.modules for m in ('torch', 'megatron', 'numpy', 'polars')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    # numpy and polars stay off the import path too (the report imports them itself; the
-    # interval sweeps only for large inputs)
+    # numpy and polars stay off the analysis path too (the report imports them itself)
     assert out.stdout.split() == ["False"] * 4
 
 

@@ -2,7 +2,7 @@
 
 Runs right after parsing (in the same worker when there are several), and returns a
 compact, picklable :class:`RankResult` so that the events of a rank never leave it.
-Plain Python over the parsed columns (intervals.py sweeps large inputs in numpy; no polars).
+Plain Python over the parsed columns: no numpy, no polars.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 
 All analyses reduce to "how long was at least one event of set A running, and did it
 overlap set B". Events are half-open [start, end) intervals in integer microseconds.
-Results are plain lists (the per-step code bisects them). The sweeps over many intervals
-(:func:`merge`, :func:`coverage`) run in numpy; small inputs take a plain-Python sweep,
-so analyzing a small trace never imports numpy (its import alone is ~11 MB of memory).
+Pure Python (sorts and one sweep each): fast enough for a rank's events, and it keeps
+numpy off the analyzer's path.
 """
 
 from __future__ import annotations
@@ -12,39 +11,32 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from operator import itemgetter
-from typing import Any
 
 Intervals = tuple[list[int], list[int]]
 
 _FIRST = itemgetter(0)
 
 
-#: from this many intervals on, sweeps run in numpy
-NUMPY_MIN = 2048
-
-
-def _np() -> Any:
-    import numpy
-
-    return numpy
-
-
 def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
-    """Union of intervals as sorted, disjoint (start, end) lists; touching ones join and
-    empty ones vanish."""
-    if len(starts) < NUMPY_MIN or not len(starts):
-        return _merge_py(starts, ends)
-    np = _np()
-    s = np.asarray(starts, dtype=np.int64)
-    e = np.asarray(ends, dtype=np.int64)
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], np.maximum.accumulate(e[order])
-    # a new interval begins where a start lies past every end before it
-    first = np.flatnonzero(s[1:] > e[:-1]) + 1
-    out_s = s[np.concatenate(([0], first))]
-    out_e = e[np.concatenate((first - 1, [s.size - 1]))]
-    keep = out_e > out_s
-    return out_s[keep].tolist(), out_e[keep].tolist()
+    """Union of intervals as sorted, disjoint (start, end) lists."""
+    out_s: list[int] = []
+    out_e: list[int] = []
+    if len(starts) == 0:
+        return out_s, out_e
+    pairs = sorted(zip(starts, ends, strict=True))  # equal starts: order is irrelevant
+    cur_s, cur_e = pairs[0]
+    for s, e in pairs:
+        if s > cur_e:
+            if cur_e > cur_s:
+                out_s.append(cur_s)
+                out_e.append(cur_e)
+            cur_s, cur_e = s, e
+        elif e > cur_e:
+            cur_e = e
+    if cur_e > cur_s:
+        out_s.append(cur_s)
+        out_e.append(cur_e)
+    return out_s, out_e
 
 
 def total(iv: Intervals) -> int:
@@ -74,50 +66,6 @@ def coverage(sets: list[Intervals]) -> list[int]:
     the sets whose bits are set in ``m`` are active (entry 0, the time covered by none, is
     left at 0 since it has no bounded extent).
     """
-    n = 1 << len(sets)
-    if sum(len(st[0]) for st in sets) < NUMPY_MIN // 2:
-        return _coverage_py(sets)
-    np = _np()
-    times = [np.asarray(t, dtype=np.int64) for st in sets for t in st]
-    if not sum(t.size for t in times):
-        return [0] * n
-    steps = [
-        np.full(len(t), sign << i, dtype=np.int64)
-        for i, st in enumerate(sets)
-        for sign, t in ((1, st[0]), (-1, st[1]))
-    ]
-    t = np.concatenate(times)
-    order = np.argsort(t, kind="stable")
-    t = t[order]
-    state = np.cumsum(np.concatenate(steps)[order])  # the sets active after each point
-    out = np.bincount(state[:-1], weights=np.diff(t), minlength=n)
-    res = [int(round(x)) for x in out[:n]]
-    res[0] = 0
-    return res
-
-
-def _merge_py(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
-    out_s: list[int] = []
-    out_e: list[int] = []
-    if len(starts) == 0:
-        return out_s, out_e
-    pairs = sorted(zip(starts, ends, strict=True))  # equal starts: order is irrelevant
-    cur_s, cur_e = pairs[0]
-    for s, e in pairs:
-        if s > cur_e:
-            if cur_e > cur_s:
-                out_s.append(cur_s)
-                out_e.append(cur_e)
-            cur_s, cur_e = s, e
-        elif e > cur_e:
-            cur_e = e
-    if cur_e > cur_s:
-        out_s.append(cur_s)
-        out_e.append(cur_e)
-    return out_s, out_e
-
-
-def _coverage_py(sets: list[Intervals]) -> list[int]:
     out = [0] * (1 << len(sets))
     pts: list[tuple[int, int]] = []
     for i, (s, e) in enumerate(sets):
