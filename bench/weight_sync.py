@@ -6,7 +6,9 @@
 A real megatron-core trainer (this process, TP=1) loads a random HF Qwen3 and pushes it to a
 real built-in engine server (``python -m titan_rl.engine``) with :class:`WeightSync`; GB/s is
 HF bytes / wall time of the whole transfer (export + send + engine load, pause/flush and version
-bump excluded). memcpy is a plain ``Tensor.copy_`` of one bucket-sized buffer. Each transport
+bump excluded). memcpy is a plain ``Tensor.copy_`` of one bucket-sized buffer with torch's
+default threads (all cores); the engine gets the same thread count, so its load copies with
+what the anchor copies with (a real engine has its whole device to itself). Each transport
 runs ``--repeats`` times; the best run is reported (the first also pays one-off set-up).
 ``tensor`` sends flattened buckets (sync.tensor_format=flattened_bucket), ``tensor-direct`` the
 parameters themselves (sync.tensor_format=direct).
@@ -104,7 +106,7 @@ def main() -> None:
 
     engine = ServerProcess(
         EngineServerConfig(
-            model_path=str(tmp / "model"), backend="builtin", num_threads=1,
+            model_path=str(tmp / "model"), backend="builtin", num_threads=torch.get_num_threads(),
             log_dir=str(tmp / "logs"), startup_timeout_s=300,
         ),
         name="bench-engine",
