@@ -104,7 +104,6 @@ class WeightSync:
         self._transport: Transport | None = None
         #: tensor transport sending the parameters themselves (sync.tensor_format=direct)
         self._direct = cfg.transport == "tensor" and cfg.tensor_format == "direct"
-        self._param_storages: set[int] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
 
@@ -155,10 +154,10 @@ class WeightSync:
         if self._direct and _rank() == self.dst:
             # The parameters themselves are sent: on CPU they must live in shared memory, and
             # q/k/v are written into shared-memory shadows (one copy, none in staging).
-            self._param_storages = _share_parameters(chunks)
             tr = self._get_transport()
+            assert isinstance(tr, TensorTransport)
+            tr.param_storages = _share_parameters(chunks)
             if self.device.type == "cpu":
-                assert isinstance(tr, TensorTransport)
                 out = tr.shadow
         buckets = self.bridge.export(
             chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype, views=True, out=out
@@ -180,8 +179,6 @@ class WeightSync:
         self, buckets: Iterator[NamedTensors], version: str
     ) -> dict[str, float]:
         tr = self._get_transport()
-        if isinstance(tr, TensorTransport):
-            tr.param_storages = self._param_storages
         engines = self._engines()
         for e in engines:
             e.applied = 0

@@ -235,20 +235,16 @@ class TensorTransport(Transport):
             return [dumps_named(named) for _ in engines]
 
         payloads = await asyncio.to_thread(dumps) if cpu else dumps()
+        payload_of = {e.url: p for e, p in zip(engines, payloads, strict=True)}
         posted.set()
 
-        async def one(e: Engine, payload: str) -> None:
+        async def one(e: Engine) -> None:
             await e.client.update_weights_from_tensor(
-                [payload], load_format="direct", flush_cache=False
+                [payload_of[e.url]], load_format="direct", flush_cache=False
             )
             e.applied += 1
 
-        results = await asyncio.gather(
-            *(one(e, p) for e, p in zip(engines, payloads, strict=True)), return_exceptions=True
-        )
-        return {
-            e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
-        }
+        return await _each(engines, one)
 
 
 class DiskTransport(Transport):
