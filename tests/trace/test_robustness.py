@@ -78,17 +78,21 @@ def test_import_is_light() -> None:
 
 
 def test_worker_processes_match_inline(traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process, forked helpers (a small job on 2 cores) and the spawned process pool
+    give the same per-rank results."""
     import titan_core.trace.analyze as analyze
 
-    inline, _ = load_ranks(traces / "trace_filter", workers=2, progress=False)
+    inline, _ = load_ranks(traces / "trace_filter", workers=1, progress=False)
+    forked, _ = load_ranks(traces / "trace_filter", workers=2, progress=False)
     monkeypatch.setattr(analyze, "INLINE_BYTES_PER_WORKER", 0)  # force the process pool
     pooled, problems = load_ranks(traces / "trace_filter", workers=2, progress=False)
     assert not problems
-    assert [r.rank for r in pooled] == [r.rank for r in inline] == [0, 1]
-    for a, b in zip(inline, pooled, strict=True):
-        assert a.kernel_time_us == b.kernel_time_us
-        assert a.steps == b.steps
-        assert len(a.comm_ops) == len(b.comm_ops)
+    assert [r.rank for r in pooled] == [r.rank for r in forked] == [r.rank for r in inline]
+    assert [r.rank for r in inline] == [0, 1]
+    for a, b, c in zip(inline, forked, pooled, strict=True):
+        assert a.kernel_time_us == b.kernel_time_us == c.kernel_time_us
+        assert a.steps == b.steps == c.steps
+        assert a.comm_ops == b.comm_ops == c.comm_ops
 
 
 @pytest.mark.parametrize("parts", [2, 3])

@@ -12,13 +12,17 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sys
 from collections import defaultdict
+from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from titan_core.trace.breakdown import RankResult, analyze_rank
 from titan_core.trace.categories import TraceConfig, busbw_factor
 from titan_core.trace.critical_path import analyze_steps
+from titan_core.trace.forked import Forked
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
 from titan_core.trace.parse import TraceError, find_trace_files, load_cached
@@ -43,6 +47,35 @@ def _work(
     finally:
         if gc_was:
             gc.enable()
+
+
+def _forked_map(
+    files: list[str], cfg: TraceConfig, cache: str | None, workers: int
+) -> Iterator[RankResult | tuple[str, str]]:
+    """:func:`_work` over ``files``: this process takes every ``workers``-th file and
+    forked helpers the others, each sending its results back pickled."""
+    import pickle
+
+    def share_work(share: list[str]) -> bytes:
+        return pickle.dumps([_work(f, cfg, cache) for f in share])
+
+    shares = [files[i::workers] for i in range(min(workers, len(files)))]
+    helpers: list[tuple[Forked, list[str]]] = []
+    try:
+        for share in shares[1:]:
+            helpers.append((Forked(partial(share_work, share)), share))
+        for f in shares[0]:
+            yield _work(f, cfg, cache)
+        for helper, share in helpers:
+            data = helper.result()
+            if data:
+                yield from pickle.loads(data)
+            else:  # the helper died: its files are parsed here
+                for f in share:
+                    yield _work(f, cfg, cache)
+    finally:
+        for helper, _share in helpers:
+            helper.close()
 
 
 #: below this many compressed bytes per extra worker, parse in this process
@@ -92,10 +125,17 @@ def load_ranks(
             if bar:
                 bar.update(1)
     elif workers <= 1 or len(files) <= 1 or _small(files, workers):
-        for f in files:  # one at a time, each big one decoded by all workers
-            raw.append(_work(f, cfg, cache, parts=workers))
-            if bar:
-                bar.update(1)
+        if len(files) > 1 and workers > 1 and sys.platform == "linux":
+            # a few small files: one forked helper per core (no interpreter to start)
+            for item in _forked_map(files, cfg, cache, workers):
+                raw.append(item)
+                if bar:
+                    bar.update(1)
+        else:
+            for f in files:  # one at a time, each big one decoded by all workers
+                raw.append(_work(f, cfg, cache, parts=workers))
+                if bar:
+                    bar.update(1)
     else:
         from concurrent.futures import ProcessPoolExecutor, as_completed
         from multiprocessing import get_context

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left, bisect_right
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from itertools import islice
-from operator import gt
+from itertools import compress, islice
+from operator import gt, sub
 from typing import Any
 
 from titan_core.trace import intervals as iv
@@ -72,60 +72,64 @@ class GpuEvents:
     name: list[str]
     kind: list[int]
     info: list[tuple | None]
-    #: start and thread of the host event that launched it (same correlation), or None
+    #: start of the host event that launched it (same correlation), or None
     launch_ts: list[int | None]
-    launch_tid: list[str | None]
+    #: correlation id of each event; the launches' (correlation, thread) columns
+    corr: list[int] = field(default_factory=list)
+    launches: tuple[list[int], list[Any]] = ([], [])
+    _thread_of: dict[int, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.ts)
 
+    def launch_tid(self, i: int) -> Any:
+        """The thread that launched event ``i`` (None without a launch): only comm
+        kernels need it, so the lookup table is built on first use."""
+        if self._thread_of is None:
+            corr, tid = self.launches
+            # backwards: a repeated correlation keeps its first launch's thread
+            self._thread_of = dict(zip(reversed(corr), reversed(tid), strict=True))
+        return self._thread_of.get(self.corr[i])
+
 
 def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
-    corr = ev.launch_corr.tolist()
-    n = len(corr)
-    # correlation -> index of its launch; usually each correlation has one launch, and
-    # building the dict backwards keeps the first one
-    first = dict(zip(reversed(corr), range(n - 1, -1, -1), strict=True))
-    l_ts = ev.launch_ts.tolist()
+    corr = ev.launch_corr
+    l_ts = ev.launch_ts
     l_tid = ev.launch_tid
-    if len(first) != n:  # repeated correlations: the earliest start, the first thread
-        earliest: dict[int, tuple[int, str]] = {}
-        for c, t, tid in zip(corr, l_ts, l_tid, strict=True):
-            cur = earliest.get(c)
-            if cur is None:
-                earliest[c] = (t, tid)
-            elif t < cur[0]:
-                earliest[c] = (t, cur[1])
-        first = {c: i for i, c in enumerate(earliest)}
-        l_ts = [t for t, _ in earliest.values()]
-        l_tid = [tid for _, tid in earliest.values()]
-    ts = ev.dev_ts.tolist()
+    # correlation -> start and thread of its launch; usually each correlation has one
+    # launch, and building the dicts backwards keeps the first one
+    ts_of = dict(zip(reversed(corr), reversed(l_ts), strict=True))
+    if len(ts_of) != len(corr):  # repeated correlations: the earliest start, the first thread
+        ts_of = {}
+        for c, t in zip(corr, l_ts, strict=True):
+            cur = ts_of.get(c)
+            if cur is None or t < cur:
+                ts_of[c] = t
+    ts = ev.dev_ts
     if not ts:
-        return GpuEvents([], [], [], [], [], [], [])
-    end = ev.dev_end.tolist()
+        return GpuEvents([], [], [], [], [], [])
+    end = ev.dev_end
     names = ev.dev_name
     info = ev.dev_info
-    dcorr = ev.dev_corr.tolist()
+    dcorr = ev.dev_corr
     if any(map(gt, ts, islice(ts, 1, None))):  # stable sort by start: ties keep file order
         order = sorted(range(len(ts)), key=ts.__getitem__)
-        ts = [ts[i] for i in order]
-        end = [end[i] for i in order]
-        names = [names[i] for i in order]
-        info = [info[i] for i in order]
-        dcorr = [dcorr[i] for i in order]
-    else:
+        ts, end, names, info, dcorr = (
+            list(map(col.__getitem__, order)) for col in (ts, end, names, info, dcorr)
+        )
+    else:  # the columns stay the parsed events' own
         names = list(names)
         info = list(info)
     kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(names)}
-    at = [first.get(c) for c in dcorr]
     return GpuEvents(
         ts=ts,
         end=end,
         name=names,
-        kind=[kind_of[n] for n in names],
+        kind=list(map(kind_of.__getitem__, names)),
         info=info,
-        launch_ts=[None if i is None else l_ts[i] for i in at],
-        launch_tid=[None if i is None else l_tid[i] for i in at],
+        launch_ts=list(map(ts_of.get, dcorr)),
+        corr=dcorr,
+        launches=(corr, l_tid),
     )
 
 
@@ -186,30 +190,22 @@ _KIND_NAMES = {v: k for k, v in KIND_CODE.items()}
 
 
 def _top_kernels(gpu: GpuEvents, n: int) -> list[dict[str, Any]]:
-    agg: dict[tuple[str, int], list[int]] = {}
-    for name, kind, ts, end in zip(gpu.name, gpu.kind, gpu.ts, gpu.end, strict=True):
-        d = end - ts
-        a = agg.get((name, kind))
-        if a is None:
-            agg[(name, kind)] = [1, d, d, d]
-        else:
-            a[0] += 1
-            a[1] += d
-            if d > a[2]:
-                a[2] = d
-            if d < a[3]:
-                a[3] = d
-    top = sorted(agg.items(), key=lambda kv: -kv[1][1])[:n]
+    # a kernel's kind follows from its name, so the name alone is the key
+    durations: defaultdict[str, list[int]] = defaultdict(list)
+    for name, d in zip(gpu.name, map(sub, gpu.end, gpu.ts), strict=True):
+        durations[name].append(d)
+    kind_of = dict(zip(gpu.name, gpu.kind, strict=True))
+    totals = sorted(((sum(d), name) for name, d in durations.items()), key=lambda r: -r[0])[:n]
     return [
         {
             "name": name,
-            "kind": _KIND_NAMES[kind],
-            "count": a[0],
-            "sum_us": a[1],
-            "max_us": a[2],
-            "min_us": a[3],
+            "kind": _KIND_NAMES[kind_of[name]],
+            "count": len(durations[name]),
+            "sum_us": total,
+            "max_us": max(durations[name]),
+            "min_us": min(durations[name]),
         }
-        for (name, kind), a in top
+        for total, name in totals
     ]
 
 
@@ -249,6 +245,17 @@ def _gpu_sets(gpu: GpuEvents) -> tuple[list[iv.Intervals], Any]:
     sets = [iv.merge(*by_kind[KIND_CODE[k]]) for k in KINDS]
     launch = [-1 if x is None else x for x in gpu.launch_ts]
     return sets, (gpu.ts, launch)
+
+
+def _union(gpu: GpuEvents, sets: list[iv.Intervals]) -> iv.Intervals:
+    """Union of the sets; on GPU straight from the start-sorted events (no sort)."""
+    if not len(gpu):
+        return iv.merge([t for s in sets for t in s[0]], [t for s in sets for t in s[1]])
+    codes = {KIND_CODE[k] for k in KINDS}
+    if codes.issuperset(gpu.kind):
+        return iv.merge(gpu.ts, gpu.end)
+    keep = [k in codes for k in gpu.kind]
+    return iv.merge(list(compress(gpu.ts, keep)), list(compress(gpu.end, keep)))
 
 
 def _cpu_sets(
@@ -372,7 +379,7 @@ def _step_stats(
         if not los:
             return []
         windows = [(0, int(min(x[0] for x in los)), int(max(his)))]
-    union_all = iv.merge([t for s in sets for t in s[0]], [t for s in sets for t in s[1]])
+    union_all = _union(gpu, sets)
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:

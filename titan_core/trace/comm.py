@@ -111,7 +111,34 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
     return None
 
 
-def _row(name: str, ts: int, end: int, tid: str | None, info: tuple | None) -> dict[str, Any]:
+def extract_comm_ops(ev: Events, gpu: GpuEvents, cfg: TraceConfig) -> list[CommOp]:
+    """All comm ops of a rank in time order (device kernels, or host ranges if none)."""
+    skip = set(cfg.gpu_event_cats) | {"gpu_user_annotation"}
+    comm_re = re.compile("|".join(cfg.cpu_comm_patterns))
+    is_comm = {n: comm_re.search(n) is not None for n in set(ev.host_name)}
+    # host ranges as (ts, end, name, tid, info) rows
+    host: list[_HostRow] = []
+    titan: list[_HostRow] = []
+    for ts, end, name, tid, info, cat in zip(
+        ev.host_ts, ev.host_end, ev.host_name, ev.host_tid, ev.host_info, ev.host_cat, strict=True
+    ):
+        if is_comm[name] and cat not in skip:
+            host.append((ts, end, name, tid, info))
+        if name.startswith("titan/"):
+            titan.append((ts, end, name, tid, info))
+    host.sort(key=_FIRST)
+    comm_code = KIND_CODE["communication"]
+    kernels = [i for i, k in enumerate(gpu.kind) if k == comm_code]
+    if kernels:
+        return _from_kernels(gpu, kernels, host, titan)
+    return _from_host([_row(*r) for r in host], [_row(*r) for r in titan])
+
+
+_HostRow = tuple[int, int, str, Any, "tuple | None"]
+_FIRST = itemgetter(0)
+
+
+def _row(ts: int, end: int, name: str, tid: Any, info: tuple | None) -> dict[str, Any]:
     row: dict[str, Any] = {"name": name, "ts": ts, "end": end, "tid": tid, "_args": info}
     if info is None:
         row.update(_NO_INFO)
@@ -121,29 +148,6 @@ def _row(name: str, ts: int, end: int, tid: str | None, info: tuple | None) -> d
 
 
 _NO_INFO = dict.fromkeys(COMM_FIELDS)
-
-
-def extract_comm_ops(ev: Events, gpu: GpuEvents, cfg: TraceConfig) -> list[CommOp]:
-    """All comm ops of a rank in time order (device kernels, or host ranges if none)."""
-    skip = set(cfg.gpu_event_cats) | {"gpu_user_annotation"}
-    comm_re = re.compile("|".join(cfg.cpu_comm_patterns))
-    host: list[dict[str, Any]] = []
-    titan: list[dict[str, Any]] = []
-    for name, cat, ts, end, tid, info in zip(
-        ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, ev.host_tid, ev.host_info, strict=True
-    ):
-        if cat not in skip and comm_re.search(name):
-            host.append(_row(name, ts, end, tid, info))
-        if name.startswith("titan/"):
-            titan.append(_row(name, ts, end, tid, info))
-    host.sort(key=_TS)
-    comm_code = KIND_CODE["communication"]
-    kernels = [i for i, k in enumerate(gpu.kind) if k == comm_code]
-    if kernels:
-        return _from_kernels(gpu, kernels, host, titan)
-    return _from_host(host, titan)
-
-
 _TS = itemgetter("ts")
 
 _FILL_KEYS = (
@@ -158,41 +162,43 @@ _FILL_KEYS = (
     "in_dims",
     "in_type",
 )
+_FILL = tuple((key, COMM_FIELDS.index(key)) for key in _FILL_KEYS)
 
 
 def _from_kernels(
-    gpu: GpuEvents, kernels: list[int], host: list[dict[str, Any]], titan: list[dict[str, Any]]
+    gpu: GpuEvents, kernels: list[int], host: list[_HostRow], titan: list[_HostRow]
 ) -> list[CommOp]:
-    by_tid: dict[str, list[dict[str, Any]]] = {}
-    for row in sorted(host + titan, key=_TS):
-        by_tid.setdefault(row["tid"], []).append(row)
-    starts = {t: [r["ts"] for r in rows] for t, rows in by_tid.items()}
-    last_launch: dict[str, int] = {}
+    by_tid: dict[Any, list[_HostRow]] = {}
+    for row in sorted(host + titan, key=_FIRST):
+        by_tid.setdefault(row[3], []).append(row)
+    starts = {t: [r[0] for r in rows] for t, rows in by_tid.items()}
+    last_launch: dict[Any, int] = {}
     ops = []
     for i in kernels:
         name = gpu.name[i]
         coll_k, algo = collective_from_kernel(name)
-        info = _row(name, gpu.ts[i], gpu.end[i], None, gpu.info[i])
+        own = gpu.info[i]
+        info = dict(_NO_INFO) if own is None else dict(zip(COMM_FIELDS, own, strict=True))
         p2p: list[tuple[str, int | None]] = []
-        tid, lts = gpu.launch_tid[i], gpu.launch_ts[i]
+        tid, lts = gpu.launch_tid(i), gpu.launch_ts[i]
         if tid in by_tid and lts is not None:
             hrows, hs = by_tid[tid], starts[tid]
             lo = last_launch.get(tid, -1)
             i1 = bisect_right(hs, lts)
             # host ranges that enclose the launch give the op's args and name
-            for r in reversed(hrows[max(0, i1 - 8) : i1]):
-                if r["end"] >= lts:
-                    if r["_args"] is not None:  # else all its comm fields are None
-                        for key in _FILL_KEYS:
-                            if info[key] is None and r[key] is not None:
-                                info[key] = r[key]
-                    if info["coll"] is None and ":" in r["name"]:
-                        info["coll"] = r["name"]
+            for _, r_end, r_name, _, r_info in reversed(hrows[max(0, i1 - 8) : i1]):
+                if r_end >= lts:
+                    if r_info is not None:  # else all its comm fields are None
+                        for key, j in _FILL:
+                            if info[key] is None and r_info[j] is not None:
+                                info[key] = r_info[j]
+                    if info["coll"] is None and ":" in r_name:
+                        info["coll"] = r_name
             # P2P: the send/recv ranges issued since the previous comm launch (coalesced too)
             if coll_k in P2P or coll_k == "unknown":
                 i0 = bisect_right(hs, lo)
                 for r in hrows[i0:i1]:
-                    p = _peer(r["name"], None)
+                    p = _peer(r[2], None)
                     if p is not None and not (p[1] is None and any(q[1] is not None for q in p2p)):
                         p2p.append(p)
                 p2p = _dedupe(p2p)

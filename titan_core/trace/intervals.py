@@ -9,8 +9,9 @@ numpy off the analyzer's path.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Sequence
-from operator import itemgetter
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from operator import gt, itemgetter
 
 Intervals = tuple[list[int], list[int]]
 
@@ -23,8 +24,15 @@ def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
     out_e: list[int] = []
     if len(starts) == 0:
         return out_s, out_e
-    pairs = sorted(zip(starts, ends, strict=True))  # equal starts: order is irrelevant
-    cur_s, cur_e = pairs[0]
+    # device events come sorted by start: then the sort (and its tuples) is skipped;
+    # equal starts may come in any order
+    pairs: Iterable[tuple[int, int]]
+    if any(map(gt, starts, islice(starts, 1, None))):
+        pairs = sorted(zip(starts, ends, strict=True))
+        cur_s, cur_e = pairs[0]
+    else:
+        pairs = zip(starts, ends, strict=True)
+        cur_s, cur_e = starts[0], ends[0]
     for s, e in pairs:
         if s > cur_e:
             if cur_e > cur_s:

@@ -32,18 +32,18 @@ import re
 import string
 import sys
 import zlib
-from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Generic, TypeVar, Union
 
 import msgspec
 
 from titan_core.trace.categories import TraceConfig
+from titan_core.trace.forked import Forked
 
-CACHE_VERSION = "2"
+CACHE_VERSION = "4"
 
 
 class TraceError(Exception):
@@ -80,8 +80,9 @@ _NO_ARGS = _Args()
 
 class _LeanArgs(_CommArgs, frozen=True, gc=False):
     """:class:`_Args` without the input shapes, which every CPU op carries and only comm
-    ranges need: skipping them saves about a fifth of the decoding. A piece holding a comm
-    event is decoded again with :class:`_Args` (see :meth:`_Sorter.add`)."""
+    ranges without element counts need (for their size): skipping them saves about a fifth
+    of the decoding. A piece holding such a range is decoded again with :class:`_Args`
+    (see :meth:`_Sorter.add`)."""
 
     input_dims: ClassVar[msgspec.Raw] = msgspec.Raw()
     input_type: ClassVar[msgspec.Raw] = msgspec.Raw()
@@ -96,8 +97,9 @@ class _Event(msgspec.Struct, frozen=True, gc=False, tag="X", tag_field="ph"):
     cat: str | None = None
     name: str = ""
     tid: int | float | str | None = None
-    ts: float = math.nan
-    dur: float = math.nan
+    #: whole microseconds stay ints (no rounding needed); fractional ones are floats
+    ts: int | float = math.nan
+    dur: int | float = math.nan
     args: _Args = _NO_ARGS
 
 
@@ -107,8 +109,8 @@ class _LeanEvent(msgspec.Struct, frozen=True, gc=False, tag="X", tag_field="ph")
     cat: str | None = None
     name: str = ""
     tid: int | float | str | None = None
-    ts: float = math.nan
-    dur: float = math.nan
+    ts: int | float = math.nan
+    dur: int | float = math.nan
     args: _LeanArgs = _NO_LEAN_ARGS
 
 
@@ -123,15 +125,22 @@ _SKIPS = tuple(
 _AnyEvent = Union[(_Event, *_SKIPS)]  # noqa: UP007 (built at runtime)
 
 
-class _File(msgspec.Struct):
-    traceEvents: list[_AnyEvent] = []  # type: ignore[valid-type] # noqa: N815 (the file's key)
+_LeanAnyEvent = Union[(_LeanEvent, *_SKIPS)]  # noqa: UP007 (built at runtime)
+_E = TypeVar("_E")
+
+
+class _File(msgspec.Struct, Generic[_E]):
+    """The document: its events decoded as ``_E`` (:data:`_AnyEvent` or the lean ones)."""
+
+    traceEvents: list[_E] = []  # noqa: N815 (the file's key)
     distributedInfo: dict[str, Any] | None = None  # noqa: N815
     deviceProperties: list[Any] | None = None  # noqa: N815
 
 
-_DECODER = msgspec.json.Decoder(_File)
+_DECODER = msgspec.json.Decoder(_File[_AnyEvent])  # type: ignore[valid-type]
+_LEAN_DECODER = msgspec.json.Decoder(_File[_LeanAnyEvent])  # type: ignore[valid-type]
 _PIECE_DECODER = msgspec.json.Decoder(list[_AnyEvent])  # type: ignore[valid-type]
-_LEAN_PIECE_DECODER = msgspec.json.Decoder(list[Union[(_LeanEvent, *_SKIPS)]])  # type: ignore[valid-type] # noqa: UP007
+_LEAN_PIECE_DECODER = msgspec.json.Decoder(list[_LeanAnyEvent])  # type: ignore[valid-type]
 
 #: the comm args of an event, in this order (None when the event has none)
 COMM_FIELDS = (
@@ -151,32 +160,33 @@ COMM_FIELDS = (
 
 @dataclass
 class Events:
-    """The kept events of one rank, as columns (parallel lists; ``arrays`` of int64).
+    """The kept events of one rank, as columns (parallel lists; times in whole
+    microseconds, thread ids as the file writes them).
 
     ``dev_*``: device events in file order; ``host_*``: host ranges looked at by name;
     ``launch_*``: host events carrying a correlation id; ``ops_*``: plain CPU ops.
     ``*_info``: per event, None or the tuple of :data:`COMM_FIELDS`.
     """
 
-    dev_ts: array = field(default_factory=lambda: array("q"))
-    dev_end: array = field(default_factory=lambda: array("q"))
+    dev_ts: list[int] = field(default_factory=list)
+    dev_end: list[int] = field(default_factory=list)
     dev_name: list[str] = field(default_factory=list)
     dev_cat: list[str] = field(default_factory=list)
-    dev_stream: array = field(default_factory=lambda: array("q"))
-    dev_corr: array = field(default_factory=lambda: array("q"))
+    dev_stream: list[int] = field(default_factory=list)
+    dev_corr: list[int] = field(default_factory=list)
     dev_info: list[tuple | None] = field(default_factory=list)
-    host_ts: array = field(default_factory=lambda: array("q"))
-    host_end: array = field(default_factory=lambda: array("q"))
+    host_ts: list[int] = field(default_factory=list)
+    host_end: list[int] = field(default_factory=list)
     host_name: list[str] = field(default_factory=list)
     host_cat: list[str] = field(default_factory=list)
-    host_tid: list[str] = field(default_factory=list)
+    host_tid: list[Any] = field(default_factory=list)
     host_info: list[tuple | None] = field(default_factory=list)
-    launch_corr: array = field(default_factory=lambda: array("q"))
-    launch_ts: array = field(default_factory=lambda: array("q"))
-    launch_tid: list[str] = field(default_factory=list)
-    ops_ts: array = field(default_factory=lambda: array("q"))
-    ops_end: array = field(default_factory=lambda: array("q"))
-    ops_tid: list[str] = field(default_factory=list)
+    launch_corr: list[int] = field(default_factory=list)
+    launch_ts: list[int] = field(default_factory=list)
+    launch_tid: list[Any] = field(default_factory=list)
+    ops_ts: list[int] = field(default_factory=list)
+    ops_end: list[int] = field(default_factory=list)
+    ops_tid: list[Any] = field(default_factory=list)
     #: any event with a device stream (tells GPU from CPU-only traces)
     has_stream: bool = False
     #: complete ("X") events seen, kept or not
@@ -190,26 +200,39 @@ class Events:
     def extend(self, other: Events) -> None:
         """Append ``other``'s events (the next part of the same file) to these."""
         for k, v in self.__dict__.items():
-            if isinstance(v, array | list):
+            if isinstance(v, list):
                 v.extend(getattr(other, k))
         self.has_stream = self.has_stream or other.has_stream
         self.n_events += other.n_events
 
     def to_builtins(self) -> dict[str, Any]:
-        return {k: (v.tobytes() if isinstance(v, array) else v) for k, v in self.__dict__.items()}
+        """Plain data for msgpack (parse cache, split parsing). The name and category
+        columns go as a table of distinct strings and indices into it: kernel names are
+        long and repeat, so this is a fraction of the bytes to pack and unpack."""
+        out: dict[str, Any] = {}
+        for k, v in self.__dict__.items():
+            if k in _STRING_COLUMNS:
+                index: dict[str, int] = {}
+                codes = [index.setdefault(x, len(index)) for x in v]
+                out[k] = (list(index), codes)
+            else:
+                out[k] = v
+        return out
 
     @classmethod
     def from_builtins(cls, d: dict[str, Any]) -> Events:
         ev = cls()
         for k, v in d.items():
-            cur = getattr(ev, k)
-            if isinstance(cur, array):
-                cur.frombytes(v)
-            elif isinstance(cur, list):
-                setattr(ev, k, [tuple(x) if isinstance(x, list) else x for x in v])
-            else:
-                setattr(ev, k, v)
+            if k in _STRING_COLUMNS:
+                table, idx = v
+                v = list(map(table.__getitem__, idx))
+            elif k.endswith("_info"):  # msgpack gives the tuples back as lists
+                v = [tuple(x) if isinstance(x, list) else x for x in v]
+            setattr(ev, k, v)
         return ev
+
+
+_STRING_COLUMNS = frozenset({"dev_name", "dev_cat", "host_name", "host_cat"})
 
 
 @dataclass
@@ -271,13 +294,14 @@ class _Sorter:
             if comm or n.startswith(("ProfilerStep", "titan/")):
                 self._special.add(n)
 
-    def add(self, events: list[Any], full: Callable[[], list[Any]] | None = None) -> None:
-        """Sort one piece's decoded events in. With ``full``, the events were decoded
-        leanly (:class:`_LeanEvent`) and ``full()`` decodes the same piece again with
-        every field (:class:`_Event`): called only when the piece holds a comm event,
-        whose args need the input shapes."""
+    def add(self, events: list[Any], piece: Any = None) -> None:
+        """Sort one piece's decoded events in. With ``piece`` (the JSON text they came
+        from), the events were decoded leanly (:class:`_LeanEvent`: no input shapes); the
+        piece is decoded again with every field (:class:`_Event`) only when a host comm
+        range in it may need its input shapes for its size (no element counts in its
+        args, and input shapes somewhere in the piece)."""
         ev = self.ev
-        x_cls = _Event if full is None else _LeanEvent
+        x_cls = _Event if piece is None else _LeanEvent
         # complete events with a category, a start and a duration ("Trace" is the
         # profiler's own span)
         xs = [
@@ -297,37 +321,50 @@ class _Sorter:
         comm, special = self._comm, self._special
         if self.cpu_ops:
             ops = [e for e in host if e.cat == "cpu_op" and e.name not in comm]
-            ev.ops_ts.extend(map(math.ceil, [e.ts for e in ops]))
-            ev.ops_end.extend(map(math.floor, [e.ts + e.dur for e in ops]))
-            ev.ops_tid.extend([str(e.tid) for e in ops])
+            _extend_times(ev.ops_ts, [e.ts for e in ops], math.ceil)
+            _extend_times(ev.ops_end, [e.ts + e.dur for e in ops], math.floor)
+            ev.ops_tid.extend([e.tid for e in ops])
         # plain cpu ops are no launches, ranges of interest or device events
         rest = [e for e in host if e.cat != "cpu_op" or e.name in comm]
         if not ev.has_stream:
             ev.has_stream = any(e.args.stream >= 0 for e in dev) or any(
                 e.args.stream >= 0 for e in rest
             )
-        launch = [e for e in rest if e.args.correlation >= 0 and e.args.stream < 0]
+        launch = [
+            (a.correlation, e.ts, e.tid)
+            for e in rest
+            if (a := e.args).correlation >= 0 and a.stream < 0
+        ]
         if launch:
-            ev.launch_corr.extend([e.args.correlation for e in launch])
-            ev.launch_ts.extend(map(math.ceil, [e.ts for e in launch]))
-            ev.launch_tid.extend([str(e.tid) for e in launch])
+            corr, ts, tid = zip(*launch, strict=True)
+            ev.launch_corr.extend(corr)
+            _extend_times(ev.launch_ts, ts, math.ceil)
+            ev.launch_tid.extend(tid)
         args = [e.args for e in dev]
         hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))] if dev else []
         if special:
             hs += [e for e in rest if e.name in special]
         hs_args = [e.args for e in hs]
-        if full is not None and (
-            any(e.name in comm and e.cat not in gpu_cats for e in hs)
-            or any(a.collective is not None or a.pg_name is not None for a in args)
+        lean = piece is not None
+        if (
+            lean
+            and any(
+                e.name in comm
+                and e.cat not in gpu_cats
+                and e.args.in_nelems is None
+                and e.args.out_nelems is None
+                for e in hs
+            )
+            and _INPUT_DIMS in bytes(piece)  # rare: a copy is fine
         ):
-            # comm events: take their args, input shapes included, from a full decode
-            whole = full()
+            whole = _PIECE_DECODER.decode(piece)
             at = {id(e): i for i, e in enumerate(events)}
             args = [whole[at[id(e)]].args for e in dev]
             hs_args = [whole[at[id(e)]].args for e in hs]
+            lean = False
         if dev:
-            ev.dev_ts.extend(map(math.ceil, [e.ts for e in dev]))
-            ev.dev_end.extend(map(math.floor, [e.ts + e.dur for e in dev]))
+            _extend_times(ev.dev_ts, [e.ts for e in dev], math.ceil)
+            _extend_times(ev.dev_end, [e.ts + e.dur for e in dev], math.floor)
             ev.dev_name.extend([e.name for e in dev])
             ev.dev_cat.extend([e.cat for e in dev])  # type: ignore[misc]
             ev.dev_stream.extend([a.stream for a in args])
@@ -335,23 +372,38 @@ class _Sorter:
             ev.dev_info.extend(
                 [
                     _info(a, True)
-                    if a.collective is not None or a.pg_name is not None or len(a.input_dims)
+                    if a.collective is not None
+                    or a.pg_name is not None
+                    or (not lean and len(a.input_dims))
                     else None
                     for a in args
                 ]
             )
         if hs:
-            ev.host_ts.extend(map(math.ceil, [e.ts for e in hs]))
-            ev.host_end.extend(map(math.floor, [e.ts + e.dur for e in hs]))
+            _extend_times(ev.host_ts, [e.ts for e in hs], math.ceil)
+            _extend_times(ev.host_end, [e.ts + e.dur for e in hs], math.floor)
             ev.host_name.extend([e.name for e in hs])
             ev.host_cat.extend([e.cat for e in hs])  # type: ignore[misc]
-            ev.host_tid.extend([str(e.tid) for e in hs])
+            ev.host_tid.extend([e.tid for e in hs])
             ev.host_info.extend(
                 [
                     _info(a, e.cat in gpu_cats or e.name in comm)
                     for e, a in zip(hs, hs_args, strict=True)
                 ]
             )
+
+
+_INPUT_DIMS = b'"Input Dims"'
+
+
+def _extend_times(col: list[int], values: Sequence[Any], rounding: Callable[[Any], int]) -> None:
+    """Append times in microseconds: whole ones (what Kineto writes) as they are,
+    fractional ones rounded as HTA does (starts up with ``math.ceil``, ends down with
+    ``math.floor``)."""
+    if type(sum(values)) is int:
+        col.extend(values)
+    else:
+        col.extend(map(rounding, values))
 
 
 def _info(a: _Args | _LeanArgs, dims: bool) -> tuple | None:
@@ -443,8 +495,8 @@ _PIECE = 1 << 16
 
 
 #: compressed files from this size on are inflated with ISA-L when it is installed (about
-#: 3x faster than zlib); smaller ones are not worth importing it for
-_ISAL_MIN_BYTES = 1 << 18
+#: 3x faster than zlib; importing it takes under a millisecond)
+_ISAL_MIN_BYTES = 1 << 14
 
 
 def _gzip_module() -> tuple[Any, tuple[type[Exception], ...]]:
@@ -538,7 +590,7 @@ def _stream_events(path: Path, sorter: _Sorter, lo: int = 0, hi: int | None = No
         buf[comma] = 0x5D  # ]
         view = memoryview(buf)[: comma + 1]
         try:
-            sorter.add(_LEAN_PIECE_DECODER.decode(view), partial(_PIECE_DECODER.decode, view))
+            sorter.add(_LEAN_PIECE_DECODER.decode(view), view)
         finally:
             buf[comma] = 0x2C  # ,
             try:
@@ -563,9 +615,7 @@ def _stream_events(path: Path, sorter: _Sorter, lo: int = 0, hi: int | None = No
     body_end = m.start() + (4 if body[m.start() : m.start() + 1] == b"\n" else 0)
     if base >= lo:  # else the last events are an earlier range's
         last_piece = b"[" + body[:body_end] + b"]"
-        sorter.add(
-            _LEAN_PIECE_DECODER.decode(last_piece), partial(_PIECE_DECODER.decode, last_piece)
-        )
+        sorter.add(_LEAN_PIECE_DECODER.decode(last_piece), last_piece)
     return header + b"[]" + body[tail_start:]
 
 
@@ -590,17 +640,18 @@ def _pretty_printed(path: Path) -> bool:
     with open(path, "rb") as fh:
         head = fh.read(1 << 16)
     if head[:2] == b"\x1f\x8b":
+        zmod, errors = _gzip_module()
         try:
-            head = zlib.decompressobj(wbits=31).decompress(head, 1 << 18)
-        except zlib.error:
+            head = zmod.decompressobj(wbits=31).decompress(head, 1 << 18)
+        except errors:
             return True  # let the streaming path name the problem
     return _SEP in head or len(head) < (1 << 16) and b'"traceEvents"' not in head
 
 
 #: a file whose text is at least this large is decoded by several processes at once when
-#: there are cores to spare (forking one and sending its columns back costs ~30 ms, what
-#: decoding ~5 MB of text takes)
-SPLIT_MIN_TEXT_BYTES = 24 << 20
+#: there are cores to spare (forking one and sending its columns back costs a few ms, what
+#: decoding ~1 MB of text takes)
+SPLIT_MIN_TEXT_BYTES = 4 << 20
 
 
 def _text_size(p: Path) -> int:
@@ -613,44 +664,45 @@ def _text_size(p: Path) -> int:
         return int.from_bytes(fh.read(4), "little")
 
 
-def _stream_part(
-    p: Path, cfg: TraceConfig, cpu_ops: bool, lo: int, hi: int | None, conn: Any
-) -> None:
-    """A forked helper's share of :func:`_stream_split`: its events, sent back packed."""
+def _stream_part(p: Path, cfg: TraceConfig, cpu_ops: bool, lo: int, hi: int | None) -> bytes:
+    """A forked helper's share of :func:`_stream_split`: its events, packed (or the error,
+    which the parent re-raises and picks its fallback for)."""
     gc.disable()
     try:
         sorter = _Sorter(cfg, cpu_ops)
         doc = _stream_events(p, sorter, lo, hi)
-        conn.send_bytes(_CACHE_ENC.encode((sorter.ev.to_builtins(), doc)))
-    except BaseException as exc:  # the parent re-raises it (and picks its fallback)
-        conn.send_bytes(_CACHE_ENC.encode((None, f"{type(exc).__name__}\0{exc}")))
-    finally:
-        conn.close()
+        return _CACHE_ENC.encode((sorter.ev.to_builtins(), doc))
+    except BaseException as exc:
+        return _CACHE_ENC.encode((None, f"{type(exc).__name__}\0{exc}"))
+
+
+#: the share of a split file's text this process decodes, relative to each helper's
+_OWN_SHARE = 1.2
 
 
 def _stream_split(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int) -> tuple[Events, bytes]:
     """:func:`_stream_events` over ``parts`` processes: this one decodes the first range of
-    the text while forked helpers decode the others; their columns are appended in order."""
-    import multiprocessing
-
+    the text while forked helpers decode the others; their columns are appended in order.
+    The helpers are forked (:class:`~titan_core.trace.forked.Forked`)."""
     size = _text_size(p)
-    bounds = [size * i // parts for i in range(parts)] + [None]
-    ctx = multiprocessing.get_context("fork")
-    helpers = []
-    for i in range(1, parts):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=_stream_part, args=(p, cfg, cpu_ops, bounds[i], bounds[i + 1], send)
-        )
-        proc.start()
-        send.close()
-        helpers.append((proc, recv))
-    sorter = _Sorter(cfg, cpu_ops)
-    docs = []
+    # this process takes a larger share: each helper also inflates the text before its
+    # range and packs its columns, while this one only unpacks them
+    weights = [_OWN_SHARE] + [1.0] * (parts - 1)
+    total = sum(weights)
+    bounds: list[int | None] = [int(size * sum(weights[:i]) / total) for i in range(parts)]
+    bounds.append(None)
+    helpers: list[Forked] = []
     try:
-        docs.append(_stream_events(p, sorter, 0, bounds[1]))
-        for _proc, recv in helpers:
-            ev, doc = _CACHE_DEC.decode(recv.recv_bytes())
+        for i in range(1, parts):
+            work = partial(_stream_part, p, cfg, cpu_ops, bounds[i], bounds[i + 1])
+            helpers.append(Forked(work))
+        sorter = _Sorter(cfg, cpu_ops)
+        docs = [_stream_events(p, sorter, 0, bounds[1])]
+        for helper in helpers:
+            data = helper.result()
+            if not data:
+                raise TraceError("a parsing helper process died")
+            ev, doc = _CACHE_DEC.decode(data)
             if ev is None:
                 kind, _, msg = doc.partition("\0")
                 if kind in ("DecodeError", "ValidationError"):
@@ -659,9 +711,8 @@ def _stream_split(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int) -> tuple
             sorter.ev.extend(Events.from_builtins(ev))
             docs.append(doc)
     finally:
-        for proc, recv in helpers:
-            recv.close()
-            proc.join()
+        for helper in helpers:
+            helper.close()
     doc_bytes = next((d for d in docs if d is not None), None)
     if doc_bytes is None:
         raise TraceError("no traceEvents array (truncated or not a Kineto trace)")
@@ -678,8 +729,13 @@ def _parse(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int = 1) -> tuple[Ev
             else:
                 doc = _DECODER.decode(_stream_events(p, sorter))
         else:  # compact JSON: one typed decode of the whole document
-            doc = _DECODER.decode(_read_bytes(p))
-            sorter.add(doc.traceEvents)
+            text = _read_bytes(p)
+            if _INPUT_DIMS in text:  # comm sizes may need the input shapes
+                doc = _DECODER.decode(text)
+                sorter.add(doc.traceEvents)
+            else:
+                doc = _LEAN_DECODER.decode(text)
+                sorter.add(doc.traceEvents, b"")  # lean, with nothing to decode again
             doc.traceEvents = []
         return sorter.ev, doc.distributedInfo or {}, doc.deviceProperties or []
     except (msgspec.DecodeError, msgspec.ValidationError, TraceError) as first:
