@@ -5,7 +5,9 @@ training and weight sync (and eval), measured on the default run's steps.
 
 Runs ``python -m titan_rl.grpo --config examples/math.yaml`` for a few steps (pretraining
 the base first if it is missing, as the main job does) and reads metrics.jsonl: per step,
-``time/step`` (wall time of the whole step, as the driver measures it) against the work:
+``time/step`` (wall time of the whole iteration as the driver measures it: from the end of
+the previous step's measures, so writing its metrics, printing its line and saving its
+checkpoint count too, to the end of this step's eval) against the work:
 generation (``time/rollout``, the engines' wall time for the step's requests), training as
 the trainer measured it inside its actor (``time/train_compute``, so Ray calls and batch
 transfer count as overhead), weight sync (``time/sync``) and eval (``time/eval``). The

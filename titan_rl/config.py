@@ -101,9 +101,22 @@ class RLRunConfig(Section):
 
 
 class RayConfig(Section):
-    #: None: a local Ray started for this run; else an existing cluster's address.
+    #: None: a local Ray started for this run (RAY_ADDRESS is not consulted); else an existing
+    #: cluster's address ("auto", "host:6379", "ray://host:10001"), whose resources are its own.
     address: str | None = None
+    #: local Ray only: logical CPUs (None: max(2, cpu count, the placement's CPU bundles)).
     num_cpus: PositiveInt | None = None
+    #: Ray namespace of the job's actors (None: Ray's anonymous one).
+    namespace: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> RayConfig:
+        if self.address is not None and self.num_cpus is not None:
+            raise ValueError(
+                "ray.num_cpus applies to a local Ray only; an existing cluster (ray.address) "
+                "brings its own resources, so unset ray.num_cpus"
+            )
+        return self
 
 
 class GRPOConfig(Section):

@@ -34,14 +34,20 @@ class PromptSet:
     source: str = ""
 
 
-def _read_rows(path: str, kind: str) -> list[dict[str, Any]]:
+def _read_rows(path: str, kind: str, key: str) -> list[dict[str, Any]]:
     p = Path(path)
     if not p.is_file():
-        raise DatasetError(f"data.path {path} does not exist")
+        raise DatasetError(f"{key} {path} is not a file; check the path")
     if kind == "parquet":
         import polars as pl
 
-        return pl.read_parquet(p).to_dicts()
+        try:
+            return pl.read_parquet(p).to_dicts()
+        except (pl.exceptions.PolarsError, OSError) as e:
+            raise DatasetError(
+                f"{key} {path} is not a readable Parquet file ({type(e).__name__}: {e}); "
+                "check data.type"
+            ) from None
     import orjson
 
     rows = []
@@ -51,7 +57,9 @@ def _read_rows(path: str, kind: str) -> list[dict[str, Any]]:
         try:
             row = orjson.loads(line)
         except orjson.JSONDecodeError as e:
-            raise DatasetError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            raise DatasetError(
+                f"{key} {path}:{lineno}: not valid JSON ({e}); one JSON object per line"
+            ) from None
         rows.append(row if isinstance(row, dict) else {})
     return rows
 
@@ -79,8 +87,9 @@ def _chat_template(cfg: RLDataConfig) -> Any:
     return lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
-def load_file_prompts(path: str, cfg: RLDataConfig) -> PromptSet:
-    rows = _read_rows(path, cfg.type)
+def load_file_prompts(path: str, cfg: RLDataConfig, key: str = "data.path") -> PromptSet:
+    """The usable rows of the file ``path`` (named ``key`` in errors); the others counted."""
+    rows = _read_rows(path, cfg.type, key)
     template = _chat_template(cfg)
     out, skipped = [], 0
     for row in rows:
@@ -93,7 +102,7 @@ def load_file_prompts(path: str, cfg: RLDataConfig) -> PromptSet:
         out.append(Prompt(text, str(label), meta))
     if not out:
         raise DatasetError(
-            f"{path}: no row has both {cfg.prompt_key!r} and {cfg.label_key!r}; set "
+            f"{key} {path}: no row has both {cfg.prompt_key!r} and {cfg.label_key!r}; set "
             "data.prompt_key / data.label_key to your columns"
         )
     return PromptSet(out, skipped, path)
@@ -107,8 +116,9 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
             count, cfg.num_digits, seed=seed, split=split, fmt=cfg.arithmetic_format
         )
         return PromptSet([Prompt(p.prompt, p.answer, {}) for p in probs], 0, "arithmetic")
-    path = cfg.path if split == "train" else (cfg.eval_path or cfg.path)
-    ps = load_file_prompts(path, cfg)
+    key = "data.eval_path" if split == "eval" and cfg.eval_path else "data.path"
+    path = cfg.eval_path if key == "data.eval_path" else cfg.path
+    ps = load_file_prompts(path, cfg, key)
     if split == "eval":
         ps.prompts = ps.prompts[: cfg.num_eval]
     return ps

@@ -15,45 +15,19 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_core.config import ConfigError, load_config
 from titan_rl.config import GRPOConfig
+from titan_rl.placement import placement_plan
+
+if TYPE_CHECKING:
+    from titan_rl.data import PromptSet
+    from titan_rl.sample import Sample
 
 EXIT_CONFIG_ERROR = 2
-
-
-def placement_plan(cfg: GRPOConfig) -> list[str]:
-    """What would run where, for ``--dry-run``."""
-    from titan_core.accelerator import get_accelerator
-
-    accel = get_accelerator()
-    backend = cfg.engines.backend
-    if backend == "auto":
-        backend = "builtin" if accel.name == "cpu" else "sglang"
-    p = cfg.parallel
-    per_engine = cfg.engines.tp_size
-    lines = [
-        f"accelerator: {accel.name} (process groups: {accel.communication_backend()}, "
-        f"weight sync: {cfg.sync.transport} over {accel.weight_update_backend()})",
-        f"trainer: {cfg.trainer_processes} Megatron process(es) = TP{p.tensor_model_parallel_size}"
-        f" x PP{p.pipeline_model_parallel_size} x EP{p.expert_model_parallel_size}, "
-        f"devices 0..{cfg.trainer_processes - 1}",
-        f"engines: {cfg.engines.num_engines} x {backend} (tp {per_engine}), "
-        + (
-            "colocated on the trainer's devices"
-            if cfg.engines.colocate
-            else f"devices {cfg.trainer_processes}.."
-            f"{cfg.trainer_processes + cfg.engines.num_engines * per_engine - 1}"
-        )
-        + (", behind sglang-router" if cfg.engines.router else ""),
-        f"policy: {cfg.policy.format} weights from {cfg.policy.load}",
-        f"batch: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} "
-        f"samples, {cfg.ppo_steps} update(s) per step, {cfg.run.num_steps} steps",
-        f"run dir: {cfg.run.dir}",
-    ]
-    return lines
 
 
 def ensure_base_checkpoint(cfg: GRPOConfig) -> None:
@@ -83,10 +57,70 @@ def ensure_base_checkpoint(cfg: GRPOConfig) -> None:
     subprocess.run(cmd, check=True)
 
 
-def _reward_fn(cfg: GRPOConfig):  # noqa: ANN202
+def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
+    """Reject mode combinations the loop cannot run and fill the defaults that depend on
+    other keys (``algo.use_tis``, ``sync.resume_kv_cache``); idempotent."""
+    if cfg.rollout.async_rollout and cfg.engines.colocate:
+        raise ConfigError(
+            "rollout.async=true cannot run with engines.colocate=true: async rollout generates "
+            "while the trainer trains, but colocated engines release their memory for training; "
+            "set rollout.async=false or engines.colocate=false"
+        )
+    if cfg.sync.resume_kv_cache and not cfg.engines.colocate:
+        raise ConfigError(
+            "sync.resume_kv_cache=true is for colocated engines (their KV cache is released "
+            "while training); set engines.colocate=true or leave sync.resume_kv_cache unset"
+        )
+    algo, sync = cfg.algo, cfg.sync
+    if algo.use_tis is None:  # one-step off-policy samples need the importance correction
+        algo = algo.model_copy(update={"use_tis": cfg.rollout.async_rollout})
+    if sync.resume_kv_cache is None:
+        sync = sync.model_copy(update={"resume_kv_cache": cfg.engines.colocate})
+    return cfg.model_copy(update={"algo": algo, "sync": sync})
+
+
+def _reward_fn(cfg: GRPOConfig) -> Callable[[list[Sample]], list[float]]:
+    """Scores of samples; also marks each sample ``correct`` (for ``rollout/accuracy``)."""
     from titan_rl.rewards import RewardScorer
 
-    return RewardScorer(cfg.reward).score
+    scorer = RewardScorer(cfg.reward)
+
+    def score(samples: list[Sample]) -> list[float]:
+        results = scorer.score_samples(samples)
+        for s, r in zip(samples, results, strict=True):
+            s.correct = r.is_correct
+        return [r.score for r in results]
+
+    return score
+
+
+class EngineMemory:
+    """Colocated engines' memory (SGLang's release / resume_memory_occupation, by tags),
+    called on every engine directly (a router does not forward these)."""
+
+    def __init__(self, urls: list[str], api_key: str | None) -> None:
+        from titan_rl.rollout.client import SGLangClient
+
+        self.clients = [SGLangClient(u, api_key=api_key) for u in urls]
+
+    async def release(self) -> None:
+        """Weights, KV cache and CUDA graphs: all of it, for the trainer."""
+        await asyncio.gather(*(c.release_memory_occupation(None) for c in self.clients))
+
+    async def resume(self, tags: list[str] | None) -> None:
+        await asyncio.gather(*(c.resume_memory_occupation(tags) for c in self.clients))
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+
+
+def _skipped_note(ps: PromptSet, key: str, cfg: GRPOConfig) -> None:
+    if ps.skipped:
+        print(
+            f"data: skipped {ps.skipped} rows of {key} {ps.source} without both "
+            f"{cfg.data.prompt_key!r} and {cfg.data.label_key!r}",
+            flush=True,
+        )
 
 
 class Loop:
@@ -101,9 +135,14 @@ class Loop:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
         train = load_prompts(cfg.data, cfg.run.seed, "train")
-        self.eval_prompts = load_prompts(cfg.data, cfg.run.seed, "eval").prompts
-        if train.skipped:
-            print(f"data: skipped {train.skipped} rows without prompt/label keys", flush=True)
+        held_out = load_prompts(cfg.data, cfg.run.seed, "eval")
+        self.eval_prompts = held_out.prompts
+        #: written with the first record of the run
+        self.data_stats = {"data/skipped_rows": train.skipped}
+        _skipped_note(train, "data.path", cfg)
+        if cfg.data.eval_path:
+            self.data_stats["data/eval_skipped_rows"] = held_out.skipped
+            _skipped_note(held_out, "data.eval_path", cfg)
         self.sampler = PromptSampler(train.prompts, cfg.run.seed)
         self.reward = _reward_fn(cfg)
         self.stop_ids = [self.tok.eod] + ([10] if cfg.data.type == "arithmetic" else [])
@@ -144,6 +183,7 @@ def _status(rec: dict[str, Any], total: int) -> str:
     parts = [
         f"step {rec['step']:>4}/{total}",
         f"reward {rec['reward/mean']:.3f}",
+        f"rollout acc {rec['rollout/accuracy']:.3f}",
         f"len {rec['response/length_mean']:.1f}",
     ]
     if "eval/accuracy" in rec:
@@ -155,30 +195,62 @@ def _status(rec: dict[str, Any], total: int) -> str:
     return " | ".join(parts)
 
 
+def _step_record(step: int, result: Any, measured: dict[str, float]) -> dict[str, Any]:
+    """A step's metrics from its rollout (and the trainer's and the sync's ``measured``)."""
+    samples = result.samples
+    n = len(samples)
+    return {
+        "step": step,
+        "reward/mean": sum(s.reward for s in samples) / n,
+        "rollout/accuracy": sum(bool(s.correct) for s in samples) / n,
+        "response/length_mean": sum(s.response_length for s in samples) / n,
+        "response/truncated_frac": result.truncated / n,
+        "rollout/groups_generated": result.groups_generated,
+        "rollout/groups_filtered": result.groups_filtered,
+        "data/prompt_hash": result.prompt_hash,
+        **measured,
+    }
+
+
+def _open_metrics(path: Path, resumed_step: int) -> Any:
+    """metrics.jsonl without the records past ``resumed_step`` (-1: a fresh start): a run
+    killed after its last checkpoint repeats those steps, which are then recorded once."""
+    from titan_core.training.metrics import MetricsWriter, drop_records_after
+
+    dropped = drop_records_after(path, resumed_step)
+    if dropped:
+        print(
+            f"{path}: dropped {dropped} records past step {max(resumed_step, 0)}, "
+            "where this run starts",
+            flush=True,
+        )
+    return MetricsWriter(path)
+
+
 def run(cfg: GRPOConfig) -> int:
     import ray
 
     from titan_core.training.metrics import MetricsWriter, read_metrics
     from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig, RouterConfig
     from titan_rl.actors.engine_actor import RolloutEngineGroup
+    from titan_rl.placement import machine_plan, ray_init_kwargs, reserve
     from titan_rl.plot import plot_rewards
     from titan_rl.rollout.client import SGLangClient
     from titan_rl.trainer.batch import pack_samples
     from titan_rl.trainer.group import TrainerGroup
 
-    ensure_base_checkpoint(cfg)
+    cfg = resolve_config(cfg)
+    # a dataset error or an impossible layout stops the run before any pretraining
     loop = Loop(cfg)
+    plan = machine_plan(cfg)
+    ensure_base_checkpoint(cfg)
     if not ray.is_initialized():
-        ray.init(
-            address=cfg.ray.address,
-            num_cpus=cfg.ray.num_cpus or max(2, os.cpu_count() or 1),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-        )
-    trainers = TrainerGroup(cfg, torch_threads=os.cpu_count())
+        ray.init(**ray_init_kwargs(cfg.ray, plan))
+    placement = reserve(plan)
+    trainers = TrainerGroup(cfg, placement, torch_threads=os.cpu_count())
     engines = None
-    writer = MetricsWriter(loop.run_dir / "metrics.jsonl")
+    writer: MetricsWriter | None = None
+    memory: EngineMemory | None = None
     aio = asyncio.new_event_loop()
     try:
         resumed = trainers.resume()
@@ -187,6 +259,7 @@ def run(cfg: GRPOConfig) -> int:
             start = int(resumed["step"])
             loop.sampler.restore(resumed["sampler"])
             print(f"resumed from {loop.run_dir / 'checkpoints'} at step {start}", flush=True)
+        writer = _open_metrics(loop.run_dir / "metrics.jsonl", start if resumed else -1)
         hf_dir = loop.run_dir / "hf_start"
         trainers.save_hf(str(hf_dir))
         e = cfg.engines
@@ -201,16 +274,22 @@ def run(cfg: GRPOConfig) -> int:
                     weight_version=str(start), log_dir=str(loop.run_dir / "logs"),
                 ),
                 router=RouterConfig(enabled=e.router, log_dir=str(loop.run_dir / "logs")),
-            )
+            ),
+            placement.engines(),
         )  # fmt: skip
         url = engines.start()
         trainers.connect_engines(engines.urls)
         client = SGLangClient(url, api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency)
+        first = dict(loop.data_stats)  # goes with the run's first record
         if start == 0:
             acc = aio.run_until_complete(loop.evaluate(client))
-            writer.write({"step": 0, "eval/accuracy": acc})
+            writer.write({"step": 0, "eval/accuracy": acc, **first})
+            first = {}
             print(f"step    0 | eval acc {acc:.3f} (before RL)", flush=True)
+        memory = EngineMemory(engines.urls, e.api_key) if e.colocate else None
         pending = None
+        prefetched_from: dict[str, int] | None = None  # the sampler before `pending` drew
+        last_end: float | None = None
         profiled = set(
             range(min(cfg.profile.steps, default=0), max(cfg.profile.steps, default=-1) + 1)
         )
@@ -228,50 +307,61 @@ def run(cfg: GRPOConfig) -> int:
             else:
                 result = pending
             t1 = time.perf_counter()
+            if memory is not None:  # colocated: the engines' memory goes to the trainer
+                aio.run_until_complete(memory.release())
+            t_released = time.perf_counter()
             batch = pack_samples(result.samples, loop.tok.eod)
             if cfg.rollout.async_rollout and step < cfg.run.num_steps:
                 # one-step off-policy: the next rollout runs on the current weights while this
                 # step trains; importance ratios against rollout logprobs correct for it
                 train_ref = [w.train.remote(batch) for w in trainers.workers]
+                prefetched_from = loop.sampler.state()
                 pending = aio.run_until_complete(loop.rollout(client, step + 1))
                 metrics = ray.get(train_ref)[0]
             else:
                 metrics = trainers.train(batch)
                 pending = None
             t2 = time.perf_counter()
+            if memory is not None:  # weights back; the sync resumes the KV cache once loaded
+                aio.run_until_complete(
+                    memory.resume(["weights"] if cfg.sync.resume_kv_cache else None)
+                )
+            t_resumed = time.perf_counter()
             sync = trainers.sync_weights(step)
             t3 = time.perf_counter()
-            samples = result.samples
-            rec: dict[str, Any] = {
-                "step": step,
-                "reward/mean": sum(s.reward for s in samples) / len(samples),
-                "response/length_mean": sum(s.response_length for s in samples) / len(samples),
-                "response/truncated_frac": result.truncated / len(samples),
-                "rollout/groups_generated": result.groups_generated,
-                "rollout/groups_filtered": result.groups_filtered,
-                **metrics,
-                **sync,
-            }
+            rec = _step_record(step, result, {**metrics, **sync})
             if step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps:
                 rec["eval/accuracy"] = aio.run_until_complete(loop.evaluate(client))
             t4 = time.perf_counter()
             rec.update({
-                "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t3 - t2,
-                "time/eval": t4 - t3, "time/step": t4 - t0,
+                "time/rollout": t1 - t0, "time/train": t2 - t_released,
+                "time/sync": t3 - t_resumed, "time/eval": t4 - t3,
+                # since the previous step's measures: its metrics, status line and checkpoint
+                # count here (the final step's are the only ones left out)
+                "time/step": t4 - (t0 if last_end is None else last_end),
             })  # fmt: skip
+            if memory is not None:
+                rec.update({"time/release": t_released - t1, "time/resume": t_resumed - t2})
+            last_end = t4
             if step in profiled:
                 trainers.end_step(step)
-            writer.write(rec)
+            writer.write({**rec, **first})
+            first = {}
             if step % cfg.run.log_interval == 0 or "eval/accuracy" in rec:
                 print(_status(rec, cfg.run.num_steps), flush=True)
             save_every = cfg.run.save_interval
             if (save_every and step % save_every == 0) or step == cfg.run.num_steps:
-                trainers.save(step, {"sampler": loop.sampler.state()})
+                # async: `pending` already drew the next step's prompts; a resume redraws them
+                sampler = loop.sampler.state() if pending is None else prefetched_from
+                trainers.save(step, {"sampler": sampler})
         plot_rewards(read_metrics(loop.run_dir / "metrics.jsonl"), loop.run_dir / "reward.png")
         print(f"wrote {loop.run_dir / 'metrics.jsonl'} and {loop.run_dir / 'reward.png'}")
         aio.run_until_complete(client.aclose())
     finally:
-        writer.close()
+        if memory is not None:
+            aio.run_until_complete(memory.aclose())
+        if writer is not None:
+            writer.close()
         if engines is not None:
             engines.stop()
         trainers.shutdown()
@@ -287,13 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="validate and print the placement plan")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = ap.parse_args(argv)
+    from titan_rl.data import DatasetError
+
     try:
-        cfg = load_config(GRPOConfig, args.config, args.overrides)
+        cfg = resolve_config(load_config(GRPOConfig, args.config, args.overrides))
         if args.dry_run:
             print("\n".join(placement_plan(cfg)))
             return 0
         return run(cfg)
-    except ConfigError as e:
+    except (ConfigError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
 

@@ -28,6 +28,8 @@ class Sample:
     response_tokens: list[int] = field(default_factory=list)
     rollout_log_probs: list[float] = field(default_factory=list)
     reward: float = 0.0
+    #: the reward judged the answer right (None: not judged)
+    correct: bool | None = None
     status: Status = Status.PENDING
     weight_version: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -71,6 +71,14 @@ def test_builtin_priorities():
     assert registered_accelerators() == {"musa": 200, "cuda": 100, "cpu": 0}
 
 
+def test_ray_resource_of_each_kind():
+    """Placement bundles hold one Ray "GPU" per device on cuda and musa, CPU only on cpu."""
+    from titan_core.accelerator.cuda import CudaAccelerator
+
+    assert CudaAccelerator.ray_resource == MusaAccelerator.ray_resource == "GPU"
+    assert CpuAccelerator.ray_resource is None
+
+
 def test_env_override(monkeypatch):
     monkeypatch.setenv("TITAN_ACCELERATOR", "cpu")
     assert select_accelerator_name() == "cpu"

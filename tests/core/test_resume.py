@@ -55,7 +55,12 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     for f in (ckpt / "iter_0000004").glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:10])  # torn shard files
     assert (ckpt / TRACKER).read_text().strip() == "2"
+    # ... after steps 3 and 4 were recorded (and the kill tore a line)
+    with open(tmp_path / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 3, "loss": 1.0}\n{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
     proc = run_pretrain(TINY, [*FAST, "train.train_iters=3", f"run.dir={tmp_path}"])
     assert "at step 2" in proc.stdout
     assert latest_iteration(ckpt) == 3
+    # the repeated step is recorded once, by the run that resumed
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert Path(ckpt / "iter_0000003").is_dir()

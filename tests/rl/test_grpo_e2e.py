@@ -79,20 +79,44 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
 
     _check_rl_trace(run_dir / "traces" / "rank0.json", steps=[6, 7], ppo_steps=1, microbatches=2)
 
-    proc = _grpo(run_dir, base, 10)
+    assert evals[0]["data/skipped_rows"] == 0  # with the run's first record
+    # a 0/1 reward without a "correct" flag: accuracy is the share of full scores
+    assert all(r["rollout/accuracy"] == r["reward/mean"] for r in recs)
+
+    # resumed colocated: after each rollout the engines release weights and KV cache for the
+    # trainer, get the weights back, take the sync (which resumes the KV cache), and serve
+    # the trainer's weights exactly (parity on every sync)
+    proc = _grpo(run_dir, base, 10, "engines.colocate=true", "sync.check_every=1")
     assert "resumed from" in proc.stdout and "at step 8" in proc.stdout
-    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
-    assert steps == list(range(1, 11))
+    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
+    assert [r["step"] for r in recs] == list(range(1, 11))
+    for r in recs[8:]:
+        assert r["time/release"] > 0 and r["time/resume"] > 0, r
+        assert r["sync/logprob_abs_diff_mean"] < 1e-4, r
+    assert "time/release" not in recs[7]
 
 
-def test_async_rollout_runs(tmp_path, base):
+def test_async_rollout_resumes_after_a_kill(tmp_path, base):
+    """Async (one-step off-policy, TIS on by default), killed after step 4 but before its
+    checkpoint counted (the tracker rewound to step 2): the rerun resumes at step 2, draws
+    the prompts the first run drew for steps 3-4, and records every step once."""
     shm = Path("/dev/shm")
     before = set(shm.glob("torch_*")) if shm.is_dir() else set()
     run_dir = tmp_path / "async"
-    _grpo(run_dir, base, 3, "rollout.async=true", "algo.use_tis=true")
-    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r]
-    assert [r["step"] for r in recs] == [1, 2, 3]
-    assert all("train/tis_mean" in r for r in recs)
+    _grpo(run_dir, base, 4, "rollout.async=true", "run.save_interval=2")
+    first = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r}
+    assert sorted(first) == [1, 2, 3, 4]
+    assert all("train/tis_mean" in r for r in first.values())
+    assert len({r["data/prompt_hash"] for r in first.values()}) == 4
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+
+    proc = _grpo(run_dir, base, 4, "rollout.async=true", "run.save_interval=2")
+    assert "at step 2" in proc.stdout and "dropped 2 records past step 2" in proc.stdout
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
+    assert [r["data/prompt_hash"] for r in recs[1:]] == [
+        first[s]["data/prompt_hash"] for s in (1, 2, 3, 4)
+    ]
     # the tensor transport's shared-memory buckets are unlinked once trainer and engine stop
     if shm.is_dir():
         assert set(shm.glob("torch_*")) - before == set()

@@ -147,13 +147,13 @@ def test_pause_continue_and_abort(engine: ServerProcess) -> None:
             assert (
                 len((await client.generate([3], {"max_new_tokens": 2, **GREEDY})).output_ids) == 2
             )
-            # flush when idle, memory release / resume
+            # flush when idle, KV cache release / resume (weights: test_memory_release.py)
             assert await client.flush_cache() is True
             try:
-                await client.release_memory_occupation()
+                await client.release_memory_occupation(["kv_cache"])
                 assert (await client.get_server_info())["memory_released"] is True
             finally:
-                await client.resume_memory_occupation(["weights", "kv_cache"])
+                await client.resume_memory_occupation(["kv_cache"])
             assert (
                 len((await client.generate([3], {"max_new_tokens": 2, **GREEDY})).output_ids) == 2
             )

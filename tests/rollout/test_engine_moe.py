@@ -92,3 +92,26 @@ def test_disk_checkpoint_with_fused_names_is_complete(
     fused = {k: v.clone() for k, v in hf_model(moe_dirs[1]).state_dict().items()}
     save_file(fused, str(tmp_path / "model.safetensors"))
     assert engine.missing_params(set(load_file(str(tmp_path / "model.safetensors")))) == set()
+
+
+def test_released_weights_free_their_storage_and_take_an_update(
+    engine: Engine, moe_dirs: tuple[Path, Path]
+) -> None:
+    """Release frees every parameter (fused experts included), names and shapes stay; the
+    resumed weights hold no values until an update loads them (per-expert names)."""
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shape = engine.tensor(name).shape
+    assert engine.weight_bytes() > 0
+    engine.call(lambda: engine.release_memory(["weights"])).result()
+    try:
+        assert engine.weight_bytes() == 0 and engine.released
+        assert engine.tensor(name).is_meta and engine.tensor(name).shape == shape
+        with pytest.raises(RequestError, match="weights are released"):
+            engine.load_named_tensors([(name, torch.zeros(shape))])
+    finally:
+        engine.call(lambda: engine.resume_memory(["weights"])).result()
+    assert not engine.released and engine.weight_bytes() > 0
+    assert torch.isnan(engine.tensor(name)).all()
+    ckpt = load_file(str(moe_dirs[0] / "model.safetensors"))
+    engine.call(lambda: engine.load_named_tensors(sorted(ckpt.items()))).result()
+    assert torch.equal(logits(engine.model), logits(hf_model(moe_dirs[0])))

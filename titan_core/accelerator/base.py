@@ -21,6 +21,9 @@ class Accelerator(ABC):
     device_type: str = "cpu"
     #: environment variable that restricts visible devices, if the kind has one.
     visible_devices_env: str | None = None
+    #: Ray's resource name for one device of this kind (placement-group bundles are one
+    #: device each); None: no device resource, the bundles hold CPU only.
+    ray_resource: str | None = None
 
     # ---- identity and placement -------------------------------------------------------
     @abstractmethod

@@ -13,6 +13,7 @@ class CudaAccelerator(Accelerator):
     name = "cuda"
     device_type = "cuda"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    ray_resource = "GPU"
     _default_comm = "nccl"
 
     @property

@@ -21,6 +21,9 @@ class MusaAccelerator(CudaAccelerator):
     name = "musa"
     device_type = "musa"
     visible_devices_env = "MUSA_VISIBLE_DEVICES"
+    #: Ray does not detect MUSA devices: a local Ray is started with ``num_gpus`` set to
+    #: the device count; cluster nodes need ``ray start --num-gpus N``.
+    ray_resource = "GPU"
     _default_comm = "mccl"
 
     @property

@@ -27,7 +27,7 @@ from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
 from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
 from titan_core.training.annotate import MicrobatchAnnotator
-from titan_core.training.metrics import MetricsWriter, format_status
+from titan_core.training.metrics import MetricsWriter, drop_records_after, format_status
 from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_core.training.profiling import StepProfiler
 
@@ -330,6 +330,8 @@ class Trainer:
                 "second part (e.g. 98,2,0)"
             )
         data = self.data_iterators(train_ds)
+        if self.rank == 0:  # a run killed after its last checkpoint repeats the steps since
+            drop_records_after(self.run_dir / "metrics.jsonl", self.step)
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
         profiler = StepProfiler(cfg.profile, cfg.run.dir, self.rank, self.accel.device_type)
         tokens_per_step = t.global_batch_size * cfg.model.seq_length

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,31 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         except orjson.JSONDecodeError:
             continue
     return out
+
+
+def drop_records_after(path: str | Path, step: int) -> int:
+    """Drop the records of ``path`` with a ``step`` above ``step`` (and a torn last line);
+    returns how many were dropped. A run resumed from the checkpoint of ``step`` calls this
+    before appending, so the steps it repeats are recorded once. The file is replaced
+    atomically; a missing file is fine."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_bytes().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if not isinstance(record, dict) or record.get("step", step) <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(line + b"\n" for line in kept))
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def format_status(record: dict[str, Any], total: int) -> str:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig
 from titan_rl.actors.router import RouterProcess
 from titan_rl.actors.server import ServerProcess
+
+if TYPE_CHECKING:
+    from titan_rl.placement import EnginePlacement
 
 log = logging.getLogger("titan_rl.actors")
 
@@ -18,9 +22,18 @@ class RolloutEngine:
     Plain class so it can be used without Ray; ``RolloutEngineActor`` is its Ray actor.
     """
 
-    def __init__(self, cfg: EngineServerConfig | dict[str, Any], name: str = "engine0") -> None:
+    def __init__(
+        self,
+        cfg: EngineServerConfig | dict[str, Any],
+        name: str = "engine0",
+        bind_node_ip: bool = False,
+    ) -> None:
         if isinstance(cfg, dict):
             cfg = EngineServerConfig.model_validate(cfg)
+        if bind_node_ip:  # reachable from the driver's node, wherever Ray placed this actor
+            import ray
+
+            cfg = cfg.model_copy(update={"host": ray.util.get_node_ip_address()})
         self.server = ServerProcess(cfg, name=name)
 
     def start(self) -> str:
@@ -54,15 +67,26 @@ class RolloutEngine:
 def _ray_actor_class() -> Any:
     import ray
 
-    # The server process does the work; the actor itself needs no CPU reservation.
+    # The server process does the work; the actor itself needs no CPU reservation (placed
+    # engines take their bundle's share through .options()).
     return ray.remote(num_cpus=0, max_restarts=0)(RolloutEngine)
 
 
 class RolloutEngineGroup:
-    """``num_engines`` engine actors behind one sglang-router (driver side)."""
+    """``num_engines`` engine actors behind one sglang-router (driver side).
 
-    def __init__(self, cfg: RolloutEnginesConfig) -> None:
+    ``placements`` (one per engine, from titan_rl.placement) put each actor on its bundle of
+    the job's placement group, with its device share and SGLang's base_gpu_id; without them
+    the actors float and hold no resources.
+    """
+
+    def __init__(
+        self, cfg: RolloutEnginesConfig, placements: Sequence[EnginePlacement] | None = None
+    ) -> None:
+        if placements is not None and len(placements) != cfg.num_engines:
+            raise ValueError(f"{len(placements)} placements for {cfg.num_engines} engines")
         self.cfg = cfg
+        self.placements = placements
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.router: RouterProcess | None = None
@@ -81,10 +105,15 @@ class RolloutEngineGroup:
 
         actor_cls = _ray_actor_class()
         server = self.cfg.server
-        self.actors = [
-            actor_cls.remote(server.model_dump(), name=f"engine{i}")
-            for i in range(self.cfg.num_engines)
-        ]
+        self.actors = []
+        for i in range(self.cfg.num_engines):
+            cfg, cls, bind = server.model_dump(), actor_cls, False
+            if self.placements is not None:
+                where = self.placements[i]
+                cls, bind = actor_cls.options(**where.actor_options), where.bind_node_ip
+                if where.base_gpu_id is not None:
+                    cfg["base_gpu_id"] = where.base_gpu_id
+            self.actors.append(cls.remote(cfg, name=f"engine{i}", bind_node_ip=bind))
         try:
             self.urls = ray.get([a.start.remote() for a in self.actors])
             if self.cfg.router.enabled:

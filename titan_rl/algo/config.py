@@ -37,8 +37,10 @@ class AlgoConfig(Section):
     kl_in_reward_coef: float = Field(0.0, ge=0.0)
     #: loss -= entropy_coef * entropy (a bonus for exploration when positive).
     entropy_coef: float = 0.0
-    #: truncated importance sampling against the rollout engine's logprobs.
-    use_tis: bool = False
+    #: truncated importance sampling against the rollout engine's logprobs (the off-policy
+    #: correction). None: on with rollout.async=true (one-step off-policy), off otherwise
+    #: (the GRPO loop decides); true / false: as set.
+    use_tis: bool | None = None
     tis_clip: float = Field(2.0, gt=0.0)
     #: discount of reinforce_plus_plus token-level returns.
     gamma: float = Field(1.0, ge=0.0, le=1.0)

@@ -30,6 +30,10 @@ from titan_rl.engine.weights import checkpoint_tensors
 log = logging.getLogger("titan_rl.engine")
 
 SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+#: SGLang's memory tags (``/release_memory_occupation``); ``cuda_graph`` is a no-op on CPU.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+#: without these the engine cannot generate
+SERVING_TAGS = frozenset({"weights", "kv_cache"})
 
 
 @dataclass
@@ -142,7 +146,11 @@ class Engine:
         self._wake = threading.Event()
         self._stop = False
         self.paused = False
-        self.released = False
+        #: memory released with /release_memory_occupation (SGLang's tags), and the counts
+        self.released_tags: set[str] = set()
+        self.memory_releases = 0
+        self.memory_resumes = 0
+        self._released_shapes: dict[int, torch.Size] = {}
         # batch state (engine thread only)
         self.active: list[Sequence] = []
         self._cache: Any = None
@@ -183,6 +191,11 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def released(self) -> bool:
+        """Whether memory that generation needs (weights or KV cache) is released."""
+        return bool(self.released_tags & SERVING_TAGS)
 
     # ---- API used by the HTTP server (any thread) --------------------------------------
     def make_sequence(
@@ -558,6 +571,65 @@ class Engine:
             )
         return out
 
+    # ---- memory (engine thread, via call()) -----------------------------------------------
+    def release_memory(self, tags: list[str] | None) -> None:
+        """Free the memory under SGLang's ``tags`` (None: all), as torch_memory_saver does.
+
+        ``kv_cache``: the running batch's cache is dropped (the engine must be idle).
+        ``weights``: every parameter's storage is freed; names, shapes and dtypes are kept
+        (``tensor()`` answers meta tensors), so updates are checked as before.
+        """
+        if self.num_running() > 0:
+            raise RequestError(
+                "release_memory_occupation needs an idle engine; pause or wait for requests"
+            )
+        for tag in tags or MEMORY_TAGS:
+            if tag in self.released_tags:
+                continue
+            if tag == "weights":
+                self._release_weights()
+            elif tag == "kv_cache":
+                self._reset_batch()
+            self.released_tags.add(tag)
+        self.memory_releases += 1
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        """Allocate released memory again. As without torch_memory_saver's backup, resumed
+        weights hold no values (NaN here, so a missing weight update shows): load weights
+        before generating."""
+        for tag in tags or MEMORY_TAGS:
+            if tag not in self.released_tags:
+                continue
+            if tag == "weights":
+                self._resume_weights()
+            self.released_tags.discard(tag)
+        self.memory_resumes += 1
+
+    def weight_bytes(self) -> int:
+        """Bytes the parameters hold now (0 while the weights are released)."""
+        return sum(p.numel() * p.element_size() for p in self._unique_params())
+
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        seen: dict[int, torch.nn.Parameter] = {}
+        for p in self.model.parameters():  # tied parameters are one object, listed once
+            seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _release_weights(self) -> None:
+        self._targets = {
+            n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in self._targets.items()
+        }  # the real views would keep the storages alive
+        self._released_shapes = {}
+        for p in self._unique_params():
+            self._released_shapes[id(p)] = p.shape
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    def _resume_weights(self) -> None:
+        for p in self._unique_params():
+            p.data = torch.full(self._released_shapes[id(p)], float("nan"), dtype=p.dtype)
+        self._released_shapes = {}
+        self._targets, self._fused = checkpoint_tensors(self.model)
+
     # ---- weights (engine thread, via call()) ----------------------------------------------
     def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """Copy tensors into the model by HF parameter name; all names are checked first.
@@ -566,6 +638,11 @@ class Engine:
         land in the slices of the model's fused expert tensors (transformers >= 5); the fused
         names themselves are accepted too.
         """
+        if "weights" in self.released_tags:
+            raise RequestError(
+                "the weights are released; call /resume_memory_occupation with tags "
+                "['weights'] before updating them"
+            )
         for name, t in named:
             target = self._targets.get(name)
             if target is None:
@@ -591,7 +668,8 @@ class Engine:
         return {n for n in self._param_names if n not in names and self._fused.get(n) not in names}
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        """The model's tensor (or expert slice) under an HF name, or None."""
+        """The model's tensor (or expert slice) under an HF name, or None (a meta tensor
+        while the weights are released)."""
         return self._targets.get(name)
 
 

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from titan_rl.engine.core import Engine, Sequence, sequence_result
+from titan_rl.engine.core import MEMORY_TAGS, Engine, Sequence, sequence_result
 from titan_rl.engine.sampling import RequestError, parse_sampling_params
 from titan_rl.engine.weights import (
     decode_tensor_payload,
@@ -254,6 +254,10 @@ def create_app(
                 "num_running_reqs": engine.num_running(),
                 "paused": engine.paused,
                 "memory_released": engine.released,
+                "memory_released_tags": sorted(engine.released_tags),
+                "memory_release_count": engine.memory_releases,
+                "memory_resume_count": engine.memory_resumes,
+                "weight_bytes": engine.weight_bytes(),
                 "decode_steps": engine.steps,
                 "generated_tokens": engine.generated_tokens,
                 "version": "titan-builtin",
@@ -271,6 +275,7 @@ def create_app(
         data = await body(request)
         if not engine.alive:
             raise HTTPError(503, "the engine's model thread has stopped; restart the server")
+        _check_not_released(engine)
         seqs, single = _build_sequences(engine, data)
         await gate.wait()
         if data.get("stream"):
@@ -333,27 +338,15 @@ def create_app(
     @app.post("/release_memory_occupation")
     async def release_memory(request: Request) -> ORJSONResponse:
         data = await body(request)
-        _check_tags(data)
-        if engine.num_running() > 0:
-            raise HTTPError(
-                400, "release_memory_occupation needs an idle engine; pause or wait for requests"
-            )
-
-        def release() -> None:
-            engine.released = True
-
-        await on_engine(release)
+        tags = _check_tags(data)
+        await on_engine(lambda: engine.release_memory(tags))
         return ORJSONResponse(None)
 
     @app.post("/resume_memory_occupation")
     async def resume_memory(request: Request) -> ORJSONResponse:
         data = await body(request)
-        _check_tags(data)
-
-        def resume() -> None:
-            engine.released = False
-
-        await on_engine(resume)
+        tags = _check_tags(data)
+        await on_engine(lambda: engine.resume_memory(tags))
         return ORJSONResponse(None)
 
     # ---- weights -------------------------------------------------------------------------
@@ -538,6 +531,8 @@ def create_app(
         tensor = engine.tensor(name)
         if tensor is None:
             raise HTTPError(400, f"unknown parameter {name!r}")
+        if "weights" in engine.released_tags:
+            raise HTTPError(400, "the weights are released; resume_memory_occupation first")
         return ORJSONResponse(tensor.flatten()[:truncate].float().tolist())
 
     return app
@@ -593,14 +588,25 @@ def _mapped_limit(engine: Engine) -> int:
     return n + n // 2 + (1 << 30)
 
 
-def _check_tags(data: dict[str, Any]) -> None:
+def _check_tags(data: dict[str, Any]) -> list[str] | None:
+    """The request's memory ``tags`` (None: all of them)."""
     tags = data.get("tags")
     if tags is None:
-        return
-    if not isinstance(tags, list) or not all(
-        t in ("weights", "kv_cache", "cuda_graph") for t in tags
-    ):
+        return None
+    if not isinstance(tags, list) or not all(t in MEMORY_TAGS for t in tags):
         raise HTTPError(400, "tags must be null or a list of 'weights', 'kv_cache', 'cuda_graph'")
+    return tags
+
+
+def _check_not_released(engine: Engine) -> None:
+    """Generation needs the weights and the KV cache: 503 (retry later) while released."""
+    if engine.released:
+        held = ", ".join(sorted(engine.released_tags))
+        raise HTTPError(
+            503,
+            f"the engine's memory is released ({held}); call /resume_memory_occupation "
+            "(and load weights) before generating",
+        )
 
 
 def _build_sequences(engine: Engine, data: dict[str, Any]) -> tuple[list[Sequence], bool]:

@@ -37,6 +37,11 @@ class RewardResult:
     well_formed: bool | None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def is_correct(self) -> bool:
+        """Right as the reward says (``correct``), else a full score (``score >= 1``)."""
+        return self.correct if self.correct is not None else self.score >= 1.0
+
 
 def _field(sample: Any, name: str, default: Any = None) -> Any:
     if isinstance(sample, Mapping):
@@ -121,12 +126,16 @@ class RewardScorer:
         """Scores of parallel lists of prompts, responses, labels (and metadata dicts)."""
         return [r.score for r in self.score_details(prompts, responses, labels, metadatas)]
 
-    def score(self, samples: Sequence[Any]) -> list[float]:
-        """Scores of samples with ``prompt``, ``response``, ``label``, ``metadata`` (attributes
-        or mapping keys)."""
-        return self.score_batch(
+    def score_samples(self, samples: Sequence[Any]) -> list[RewardResult]:
+        """Results of samples with ``prompt``, ``response``, ``label``, ``metadata``
+        (attributes or mapping keys)."""
+        return self.score_details(
             [_field(s, "prompt", "") for s in samples],
             [_field(s, "response", "") for s in samples],
             [_field(s, "label") for s in samples],
             [_field(s, "metadata") for s in samples],
         )
+
+    def score(self, samples: Sequence[Any]) -> list[float]:
+        """Scores of samples (see :meth:`score_samples`)."""
+        return [r.score for r in self.score_samples(samples)]

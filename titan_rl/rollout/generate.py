@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,6 +19,19 @@ class RolloutResult:
     groups_generated: int
     groups_filtered: int
     truncated: int
+    #: a fingerprint of the prompts drawn for the step (over-sampled ones included)
+    prompt_hash: str = ""
+
+
+def prompt_fingerprint(prompts: list[Prompt]) -> str:
+    """16 hex digits identifying the prompts and their order (to compare runs)."""
+    h = hashlib.blake2b(digest_size=8)
+    for p in prompts:
+        h.update(p.text.encode())
+        h.update(b"\0")
+        h.update(p.label.encode())
+        h.update(b"\1")
+    return h.hexdigest()
 
 
 def _sample_from(prompt: Prompt, tokens: list[int], out: GenerateOutput, g: int, i: int) -> Sample:
@@ -108,6 +122,7 @@ async def generate_groups(
         groups_generated=stats["generated"],
         groups_filtered=stats["filtered"],
         truncated=sum(s.status == Status.TRUNCATED for s in samples),
+        prompt_hash=prompt_fingerprint(prompts),
     )
 
 

@@ -28,6 +28,12 @@ class SyncConfig(Section):
     bucket_bytes: PositiveInt = 512 << 20
     #: dtype sent to the engines (None: the trainer's parameter dtype).
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    #: colocated engines (engines.colocate) release their memory while the trainer trains
+    #: and get their weights back before the sync; true: the sync resumes their KV cache and
+    #: CUDA graphs once the new weights are loaded, before generation continues and before the
+    #: parity probe (slime's order, so the transfer has that memory). None: true when
+    #: engines.colocate (the GRPO loop decides); false: the loop resumes all memory first.
+    resume_kv_cache: bool | None = None
     #: pause mode around the update (SGLang's pause_generation modes).
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
     #: run the logprob parity check every N syncs (0: never).

@@ -1,5 +1,5 @@
 """Weight sync trainer -> engines: pause, flush, update bucket by bucket, bump the version,
-continue; then the logprob parity check.
+(colocated: resume the KV cache,) continue; then the logprob parity check.
 
 Every trainer rank calls :meth:`WeightSync.sync` (the export gathers over TP/PP/EP); trainer
 rank 0 alone talks to the engines. An engine that fails during a sync never serves the half
@@ -38,6 +38,9 @@ from titan_rl.sync.transports import (
 )
 
 log = logging.getLogger(__name__)
+
+#: what a colocated engine gets back after the new weights are loaded (SGLang's tags)
+KV_CACHE_TAGS = ["kv_cache", "cuda_graph"]
 
 
 class WeightSyncError(RuntimeError):
@@ -209,10 +212,15 @@ class WeightSync:
                 self.restore_paths[e.url] = (
                     str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
                 )
-        await _each_call(
-            [e for e in engines if not e.extra.get("left_paused")],
-            lambda e: e.client.continue_generation(),
-        )
+        serving = [e for e in engines if not e.extra.get("left_paused")]
+        if self.cfg.resume_kv_cache:  # colocated: the KV cache comes back after the weights
+            fail(
+                await _each_call(
+                    serving, lambda e: e.client.resume_memory_occupation(KV_CACHE_TAGS)
+                ),
+                "resume kv_cache",
+            )
+        await _each_call(serving, lambda e: e.client.continue_generation())
         if failures:
             raise WeightSyncError(failures, version)
         self.version = version

@@ -1,31 +1,51 @@
 """Ray actors running ``PolicyTrainer``: one process per Megatron rank, its own
-torch.distributed group, placed with a Ray placement group."""
+torch.distributed group, placed on the job's placement group (titan_rl/placement.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_rl.config import GRPOConfig
 from titan_rl.trainer.batch import RLBatch
+
+if TYPE_CHECKING:
+    from titan_rl.placement import Placement
 
 
 class TrainerWorker:
     """One Megatron rank (plain class; ``TrainerGroup`` makes it a Ray actor)."""
 
-    def __init__(
-        self, cfg: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int
-    ) -> None:
+    def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, local_rank: int) -> None:
+        self._payload = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+
+    def master_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port there: the process group's rendezvous."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the process group and build the Megatron trainer (after ``master_address``)."""
         os.environ.update(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            LOCAL_RANK=str(self.local_rank),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
         import torch
 
+        cfg, self._payload = self._payload, {}
         threads = cfg.pop("_torch_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
@@ -33,11 +53,10 @@ class TrainerWorker:
         from titan_rl.trainer.policy import PolicyTrainer
 
         self.cfg = GRPOConfig.model_validate(cfg)
-        self.trainer = PolicyTrainer(self.cfg, world_size)
-        self.rank = rank
+        self.trainer = PolicyTrainer(self.cfg, self.world_size)
         self.sync = None
         self.profiler = StepProfiler(
-            self.cfg.profile, self.cfg.run.dir, rank, self.trainer.accel.device_type
+            self.cfg.profile, self.cfg.run.dir, self.rank, self.trainer.accel.device_type
         )
         self._profiled = contextlib.ExitStack()
         self._phases: dict[str, Any] = {}
@@ -119,31 +138,31 @@ class TrainerWorker:
 
 
 class TrainerGroup:
-    """Driver-side handle of the trainer actors; every call goes to all ranks."""
+    """Driver-side handle of the trainer actors; every call goes to all ranks.
 
-    def __init__(self, cfg: GRPOConfig, torch_threads: int | None = None) -> None:
+    Rank r runs on the placement's slot r; the process group meets at rank 0's node. The
+    group owns the placement group (it outlives the engines) and removes it on shutdown.
+    """
+
+    def __init__(
+        self, cfg: GRPOConfig, placement: Placement, torch_threads: int | None = None
+    ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from titan_core.parallel.initialize import free_port
 
         n = cfg.trainer_processes
-        self.pg = placement_group([{"CPU": 1}] * n, strategy="PACK")
-        ray.get(self.pg.ready())
-        worker_cls = ray.remote(num_cpus=1)(TrainerWorker)
-        port = free_port()
+        self.placement = placement
+        worker_cls = ray.remote(TrainerWorker)
         payload = cfg.model_dump(mode="json", by_alias=True)
         if torch_threads:
             payload["_torch_threads"] = torch_threads
         self.workers = [
-            worker_cls.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i
-                )
-            ).remote(dict(payload), i, n, "127.0.0.1", port)
-            for i in range(n)
+            worker_cls.options(**placement.trainer_options(r)).remote(
+                dict(payload), r, n, placement.trainer_local_rank(r)
+            )
+            for r in range(n)
         ]
+        addr, port = ray.get(self.workers[0].master_address.remote())
+        self._all("setup", addr, port)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
@@ -179,11 +198,10 @@ class TrainerGroup:
 
     def shutdown(self) -> None:
         import ray
-        from ray.util.placement_group import remove_placement_group
 
         try:
             self._all("shutdown")
         finally:
             for w in self.workers:
                 ray.kill(w)
-            remove_placement_group(self.pg)
+            self.placement.remove()

@@ -1,0 +1,442 @@
+"""Where the GRPO job's actors run: ``ray.init`` arguments, the placement plan, its group.
+
+One Ray placement group of per-device bundles, as slime lays it out: ``{"GPU": 1, "CPU": 1}``
+per device on GPU accelerators, ``{"CPU": 1}`` on CPU. Trainer rank r sits on slot r; engine
+i (``engines.tp_size`` = t devices) spans t consecutive slots: the trainer's own when
+colocated (each actor takes a share of the device), the slots after the trainer's when
+disaggregated. A slot is a bundle once the bundles are ordered by (node, device id).
+
+:func:`plan_placement` computes and validates the layout without Ray (what ``--dry-run``
+prints); :func:`reserve` creates the placement group and finds each bundle's node and device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from titan_core.config import ConfigError
+from titan_core.config.pretrain import check_layout
+from titan_rl.config import GRPOConfig, RayConfig
+
+#: Colocated shares of one device (slime's): a trainer rank and an engine fit one bundle.
+TRAINER_SHARE_COLOCATED = 0.4
+ENGINE_SHARE = 0.2
+#: Ray leaves the visible devices alone: every actor sees its node's devices and picks its own
+#: by the bundle's device id (the trainer's LOCAL_RANK, SGLang's base_gpu_id), as slime does.
+NOSET_VISIBLE_DEVICES = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """A trainer rank in Megatron's grid (dense: tp, cp, dp, pp; experts: etp, ep, edp, pp)."""
+
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    etp: int
+    ep: int
+    edp: int
+
+
+def rank_coords(rank: int, world: int, tp: int, cp: int, pp: int, ep: int, etp: int) -> RankCoords:
+    """Coordinates in megatron-core's default rank order ``tp-cp-ep-dp-pp`` (tp fastest).
+
+    The dense grid has no ep and the expert grid no cp, as megatron's two RankGenerators.
+    """
+    dp = world // (tp * cp * pp)
+    edp = world // (etp * ep * pp)
+    return RankCoords(
+        tp=rank % tp,
+        cp=rank // tp % cp,
+        dp=rank // (tp * cp) % dp,
+        pp=rank // (tp * cp * dp),
+        etp=rank % etp,
+        ep=rank // etp % ep,
+        edp=rank // (etp * ep) % edp,
+    )
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """The layout of one GRPO job, before anything starts."""
+
+    accelerator: str
+    #: the Ray resource of one device ("GPU"); None: bundles of CPU only.
+    resource: str | None
+    backend: str
+    colocate: bool
+    router: bool
+    trainer_processes: int
+    #: tensor, pipeline, context, expert, expert-tensor and data parallel sizes.
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    num_engines: int
+    engine_tp: int
+    #: devices (CPU slots) Ray will offer, when known before it starts.
+    available: int | None
+    address: str | None
+
+    @property
+    def unit(self) -> str:
+        return self.resource or "CPU slot"
+
+    @property
+    def num_bundles(self) -> int:
+        engines = 0 if self.colocate else self.num_engines * self.engine_tp
+        return self.trainer_processes + engines
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {self.resource: 1, "CPU": 1} if self.resource else {"CPU": 1}
+
+    @property
+    def trainer_share(self) -> float:
+        return TRAINER_SHARE_COLOCATED if self.colocate else 1.0
+
+    def engine_slots(self, index: int) -> range:
+        """The slots engine ``index`` spans."""
+        first = (0 if self.colocate else self.trainer_processes) + index * self.engine_tp
+        return range(first, first + self.engine_tp)
+
+    def coords(self, rank: int) -> RankCoords:
+        return rank_coords(
+            rank, self.trainer_processes, self.tp, self.cp, self.pp, self.ep, self.etp
+        )
+
+    def describe(self) -> list[str]:
+        """The plan in words: which actor on which slot, and why it fits."""
+        unit = self.unit
+        mode = (
+            f"colocated: trainer ranks and engines share the bundles (a trainer rank takes "
+            f"{TRAINER_SHARE_COLOCATED} of one, an engine {ENGINE_SHARE})"
+            if self.colocate
+            else "disaggregated: the engines take the bundles after the trainer's"
+        )
+        if self.available is not None:
+            have = f"{self.available} available"
+        elif self.address is not None:
+            have = f"checked against the cluster at {self.address} when it starts"
+        elif self.resource is None:
+            have = "a local Ray sized to fit"
+        else:
+            have = f"this machine ({self.accelerator}) has none; needs a {self.resource} machine"
+        lines = [
+            f"placement: one Ray placement group of {self.num_bundles} bundle(s) "
+            f"{self.bundle} (PACK); {mode}",
+            f"devices: {self.num_bundles} {unit}(s) needed, {have}"
+            + ("; GPU k = the k-th bundle by (node, device id)" if self.resource else ""),
+            f"trainer: {self.trainer_processes} Megatron process(es) = TP{self.tp} x PP{self.pp}"
+            f" x CP{self.cp} x DP{self.dp}"
+            + (f", EP{self.ep} (expert TP{self.etp})" if self.ep > 1 else "")
+            + (
+                "; a whole bundle each"
+                if not self.colocate
+                else f"; {self.trainer_share} of one each"
+            ),
+        ]
+        for rank in range(self.trainer_processes):
+            c = self.coords(rank)
+            where = f"tp {c.tp}, pp {c.pp}, dp {c.dp}"
+            if self.cp > 1:
+                where += f", cp {c.cp}"
+            if self.ep > 1:
+                where += f", ep {c.ep}"
+            lines.append(f"  rank {rank} -> {unit} {rank}: {where}")
+        lines.append(
+            f"engines: {self.num_engines} x {self.backend} (tp {self.engine_tp}), "
+            f"{ENGINE_SHARE} of their first bundle each"
+            + (", behind sglang-router" if self.router else "")
+        )
+        for i in range(self.num_engines):
+            s = self.engine_slots(i)
+            span = f"{unit} {s[0]}" if len(s) == 1 else f"{unit}s {s[0]}..{s[-1]}"
+            if self.resource:
+                span += f" (base_gpu_id: the device id of {unit} {s[0]} on its node)"
+            lines.append(f"  engine {i} -> {span}")
+        return lines
+
+
+def _pretrain_errors(e: ValidationError) -> str:
+    return "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+
+
+def plan_placement(
+    cfg: GRPOConfig, accelerator: str, resource: str | None, devices: int | None
+) -> PlacementPlan:
+    """Lay out and validate the job; ``devices``: how many ``resource`` devices Ray will have
+    (None: unknown). Raises ConfigError naming the key of an impossible layout."""
+    n, p, e = cfg.trainer_processes, cfg.parallel, cfg.engines
+    try:  # the trainer's own titan_core config: layers / heads / experts against the layout
+        view = cfg.pretrain_view(n)
+    except ValidationError as err:
+        raise ConfigError(_pretrain_errors(err)) from None
+    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+    model_parallel *= p.context_parallel_size
+    # check_layout checks this too, as train.global_batch_size: GRPO's batch is the rollout's
+    batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
+    if n % model_parallel == 0 and batch % (cfg.train.micro_batch_size * (n // model_parallel)):
+        raise ConfigError(
+            f"rollout.prompts_per_step x n_samples_per_prompt ({batch}) must be divisible by "
+            f"train.micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x "
+            f"{n // model_parallel}, from trainer_processes={n})"
+        )
+    try:
+        dp = check_layout(view, n)
+    except ConfigError as err:
+        raise ConfigError(f"trainer_processes={n}: {err}") from None
+
+    backend = e.backend
+    if backend == "auto":
+        backend = "builtin" if resource is None else "sglang"
+    if backend == "sglang":
+        resource = resource or "GPU"  # SGLang's layout, even where this machine cannot run it
+    if backend == "builtin" and e.tp_size != 1:
+        raise ConfigError(f"engines.tp_size={e.tp_size}: the built-in engine runs with tp_size 1")
+    engine_devices = e.num_engines * e.tp_size
+    if e.colocate and engine_devices > n:
+        raise ConfigError(
+            f"engines.colocate=true: engines.num_engines x engines.tp_size ({e.num_engines} x "
+            f"{e.tp_size} = {engine_devices}) exceeds trainer_processes ({n}), the devices the "
+            "colocated engines share; lower engines.num_engines or raise trainer_processes"
+        )
+    available = devices if resource else cfg.ray.num_cpus
+    plan = PlacementPlan(
+        accelerator=accelerator,
+        resource=resource,
+        backend=backend,
+        colocate=e.colocate,
+        router=e.router,
+        trainer_processes=n,
+        tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size or p.tensor_model_parallel_size,
+        dp=dp,
+        num_engines=e.num_engines,
+        engine_tp=e.tp_size,
+        available=available,
+        address=cfg.ray.address,
+    )
+    if available is not None and plan.num_bundles > available:
+        raise ConfigError(f"{_need(plan)}, but only {available} are available ({_source(plan)})")
+    if resource and cfg.ray.num_cpus is not None and plan.num_bundles > cfg.ray.num_cpus:
+        raise ConfigError(
+            f"ray.num_cpus={cfg.ray.num_cpus}: the placement group needs one CPU per bundle "
+            f"({plan.num_bundles}); raise ray.num_cpus or leave it unset"
+        )
+    return plan
+
+
+def _need(plan: PlacementPlan) -> str:
+    if plan.colocate:
+        return f"trainer_processes={plan.trainer_processes} needs {plan.num_bundles} {plan.unit}(s)"
+    return (
+        f"trainer_processes + engines.num_engines x engines.tp_size = {plan.trainer_processes} + "
+        f"{plan.num_engines} x {plan.engine_tp} = {plan.num_bundles} {plan.unit}(s) "
+        "(disaggregated; engines.colocate=true shares the trainer's)"
+    )
+
+
+def _source(plan: PlacementPlan) -> str:
+    if plan.resource is None:
+        return "ray.num_cpus"
+    return f"this machine's {plan.accelerator} devices"
+
+
+def machine_plan(cfg: GRPOConfig) -> PlacementPlan:
+    """:func:`plan_placement` for this machine's accelerator (its device count counts only for
+    a local Ray; an existing cluster's is checked when the job starts)."""
+    from titan_core.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    devices = None
+    if accel.ray_resource and cfg.ray.address is None:
+        devices = accel.device_count()
+    return plan_placement(cfg, accel.name, accel.ray_resource, devices)
+
+
+def placement_plan(cfg: GRPOConfig) -> list[str]:
+    """What would run where, for ``--dry-run`` (validates the layout first)."""
+    from titan_core.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    plan = machine_plan(cfg)
+    lines = [
+        f"accelerator: {accel.name} (process groups: {accel.communication_backend()}, "
+        f"weight sync: {cfg.sync.transport} over {accel.weight_update_backend()})",
+        "ray: " + (f"existing cluster at {cfg.ray.address}" if cfg.ray.address else "local"),
+        *plan.describe(),
+        f"policy: {cfg.policy.format} weights from {cfg.policy.load}",
+        f"batch: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} "
+        f"samples, {cfg.ppo_steps} update(s) per step, {cfg.run.num_steps} steps",
+        f"run dir: {cfg.run.dir}",
+    ]
+    return lines
+
+
+def ray_init_kwargs(ray_cfg: RayConfig, plan: PlacementPlan) -> dict[str, Any]:
+    """``ray.init`` arguments: a local Ray sized for the plan, or only the cluster's address
+    (Ray refuses resource arguments when it joins an existing cluster)."""
+    common: dict[str, Any] = {"log_to_driver": True, "configure_logging": False}
+    if ray_cfg.namespace is not None:
+        common["namespace"] = ray_cfg.namespace
+    if ray_cfg.address is not None:
+        return {"address": ray_cfg.address, **common}
+    kwargs: dict[str, Any] = {
+        "address": "local",  # a new local Ray, even where RAY_ADDRESS is set
+        "num_cpus": ray_cfg.num_cpus or max(2, os.cpu_count() or 1, plan.num_bundles),
+        "include_dashboard": False,
+        **common,
+    }
+    if plan.resource == "GPU" and plan.available:
+        kwargs["num_gpus"] = plan.available  # Ray does not detect every kind (MUSA)
+    elif plan.resource and plan.available:
+        kwargs["resources"] = {plan.resource: plan.available}
+    return kwargs
+
+
+# ---- the placement group (needs a running Ray) --------------------------------------------
+@dataclass(frozen=True)
+class Slot:
+    """One bundle of the group: its index, and on device bundles its node and device id."""
+
+    bundle: int
+    node_ip: str | None = None
+    device: int | None = None
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where one engine actor goes (what ``RolloutEngineGroup`` hands to ``.options()``)."""
+
+    actor_options: dict[str, Any]
+    #: SGLang's --base-gpu-id: the first device of the engine's span (None on CPU bundles).
+    base_gpu_id: int | None
+    #: bind the server to its node's IP (an existing cluster: the driver may be elsewhere).
+    bind_node_ip: bool
+
+
+def _where(resource: str) -> tuple[str, int]:
+    """Inside a task on one bundle: (node IP, device id)."""
+    import ray
+
+    ids = ray.get_runtime_context().get_accelerator_ids()[resource]
+    return ray.util.get_node_ip_address(), int(ids[0])
+
+
+def _probe(pg: Any, plan: PlacementPlan) -> list[Slot]:
+    """Every bundle's node and device, in (node, device) order (slime's InfoActor pass)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resource = plan.resource
+    assert resource is not None
+    device = {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
+    task = ray.remote(_where)
+    refs = [
+        task.options(
+            num_cpus=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i
+            ),
+            **device,
+        ).remote(resource)
+        for i in range(plan.num_bundles)
+    ]
+    found = [Slot(i, ip, dev) for i, (ip, dev) in enumerate(ray.get(refs))]
+    return sorted(found, key=lambda s: (s.node_ip, s.device))
+
+
+class Placement:
+    """The plan's placement group, reserved: actor options for each trainer rank and engine."""
+
+    def __init__(self, plan: PlacementPlan, pg: Any, slots: list[Slot]) -> None:
+        self.plan = plan
+        self.pg = pg
+        self.slots = slots
+        for i in range(plan.num_engines):
+            span = [slots[k] for k in plan.engine_slots(i)]
+            devices = [s.device for s in span]
+            first = devices[0]
+            same_node = len({s.node_ip for s in span}) == 1
+            if first is not None and (
+                not same_node or devices != list(range(first, first + len(span)))
+            ):
+                raise ConfigError(
+                    f"engines.tp_size={plan.engine_tp}: engine {i} would span "
+                    f"{[(s.node_ip, s.device) for s in span]}, not consecutive devices of one "
+                    "node; use a tp_size that divides each node's device count"
+                )
+
+    def _options(self, slot: Slot, share: float) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        opts: dict[str, Any] = {
+            "num_cpus": share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=slot.bundle
+            ),
+        }
+        resource = self.plan.resource
+        if resource == "GPU":
+            opts["num_gpus"] = share
+        elif resource:
+            opts["resources"] = {resource: share}
+        if resource:
+            opts["runtime_env"] = {"env_vars": dict(NOSET_VISIBLE_DEVICES)}
+        return opts
+
+    def trainer_options(self, rank: int) -> dict[str, Any]:
+        return self._options(self.slots[rank], self.plan.trainer_share)
+
+    def trainer_local_rank(self, rank: int) -> int:
+        """The device a rank uses on its node (its rank on CPU bundles)."""
+        device = self.slots[rank].device
+        return rank if device is None else device
+
+    def engines(self) -> list[EnginePlacement]:
+        out = []
+        for i in range(self.plan.num_engines):
+            slot = self.slots[self.plan.engine_slots(i)[0]]
+            out.append(
+                EnginePlacement(
+                    actor_options=self._options(slot, ENGINE_SHARE),
+                    base_gpu_id=slot.device,
+                    bind_node_ip=self.plan.address is not None,
+                )
+            )
+        return out
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+def reserve(plan: PlacementPlan) -> Placement:
+    """Create the plan's placement group on the running Ray and wait until it is placed."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    kind = plan.resource or "CPU"
+    have = int(ray.cluster_resources().get(kind, 0))
+    if have < plan.num_bundles:
+        raise ConfigError(f"{_need(plan)}, but the Ray cluster has {have} {kind}")
+    pg = placement_group([dict(plan.bundle) for _ in range(plan.num_bundles)], strategy="PACK")
+    try:
+        ray.get(pg.ready())
+        slots = _probe(pg, plan) if plan.resource else [Slot(i) for i in range(plan.num_bundles)]
+        return Placement(plan, pg, slots)
+    except BaseException:
+        remove_placement_group(pg)
+        raise
