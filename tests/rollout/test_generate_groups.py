@@ -16,7 +16,7 @@ import pytest
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rollout import SGLangClient, SGLangRequestError
-from titan_rl.rollout.generate import generate_groups, prompt_fingerprint
+from titan_rl.rollout.generate import evaluate, generate_groups, prompt_fingerprint
 from titan_rl.sample import Sample, Status
 
 STOP = 0
@@ -58,7 +58,7 @@ class FakeSGLang:
         text, sp = decode(body["input_ids"]), body["sampling_params"]
         self.generated.append(text)
         self.params.append(sp)
-        n, limit = sp["n"], sp["max_new_tokens"]
+        n, limit = sp.get("n", 1), sp["max_new_tokens"]
         if text.startswith("bad"):
             return httpx.Response(400, json={"error": {"message": "refused"}})
         if text.startswith("hang"):
@@ -150,3 +150,28 @@ def test_a_refused_request_fails_the_rollout_unless_enough_groups_passed():
         run(["mix1", "bad2"], want=2)
     result, _ = run(["mix1", "mix2", "bad3"], want=2, over_sample_factor=1.5)
     assert [s.prompt for s in result.samples][::4] == ["mix1", "mix2"]
+
+
+def test_eval_accuracy_counts_the_answers_the_reward_marks_correct():
+    """Accuracy is the share of greedy answers the reward marks ``correct``, whatever their
+    scores (a format bonus can lift a wrong answer past 1); unmarked ones count at >= 1."""
+
+    def bonus(samples: list[Sample]) -> list[float]:  # right: 1 + 0.5, wrong: 0 + 1.2
+        for s in samples:
+            s.correct = s.prompt.startswith("same")
+        return [1.5 if s.correct else 1.2 for s in samples]
+
+    def unmarked(samples: list[Sample]) -> list[float]:
+        return [1.0 if s.prompt.startswith("same") else 0.9 for s in samples]
+
+    async def main(reward: Any) -> float:
+        fake = FakeSGLang()
+        client = SGLangClient("http://fake", max_concurrency=1, transport=httpx.MockTransport(fake))
+        prompts = [Prompt(p, "1", {}) for p in ["same1", "long2", "same3", "long4", "long5"]]
+        async with client:
+            acc = await evaluate(client, prompts, encode, decode, 3, [STOP], reward)
+        assert {p.get("temperature") for p in fake.params} == {0.0}
+        return acc
+
+    assert asyncio.run(main(bonus)) == 0.4
+    assert asyncio.run(main(unmarked)) == 0.4

@@ -135,7 +135,8 @@ async def evaluate(
     stop_token_ids: list[int],
     reward_fn: Callable[[list[Sample]], list[float]],
 ) -> float:
-    """Greedy accuracy (mean reward, rewards in [0, 1]) on held-out prompts."""
+    """Greedy accuracy on held-out prompts: the share of answers the reward function marks
+    ``correct`` (a sample it leaves unmarked counts as correct at a full score, >= 1)."""
     params = {
         "max_new_tokens": max_new_tokens,
         "temperature": 0.0,
@@ -152,4 +153,7 @@ async def evaluate(
 
     samples = await asyncio.gather(*[one(g, p) for g, p in enumerate(prompts)])
     rewards = reward_fn(list(samples))
-    return sum(1.0 for r in rewards if r >= 1.0) / max(1, len(rewards))
+    hits = [
+        r >= 1.0 if s.correct is None else s.correct for s, r in zip(samples, rewards, strict=True)
+    ]
+    return sum(hits) / max(1, len(hits))
