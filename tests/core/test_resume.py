@@ -64,3 +64,19 @@ def test_incomplete_checkpoint_is_never_resumed(tmp_path):
     # the repeated step is recorded once, by the run that resumed
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert Path(ckpt / "iter_0000003").is_dir()
+
+
+def test_distributed_optimizer_resumes_exactly_at_dp2_and_dp1(tmp_path):
+    """The distributed optimizer over torch's Adam (no TE on CPU) saved at DP=2 resumes as
+    if never stopped, at DP=2 and resharded to DP=1 (see ``load_optimizer_state``)."""
+    straight, split, split_dp1 = tmp_path / "straight", tmp_path / "split", tmp_path / "dp1"
+    common = [*FAST, "train.lr_decay_iters=6", "parallel.use_distributed_optimizer=true"]
+    run_pretrain(TINY, [*common, "train.train_iters=6", f"run.dir={straight}"], nproc=2)
+    run_pretrain(TINY, [*common, "train.train_iters=3", f"run.dir={split}"], nproc=2)
+    shutil.copytree(split, split_dp1)
+    proc = run_pretrain(TINY, [*common, "train.train_iters=6", f"run.dir={split}"], nproc=2)
+    assert "at step 3" in proc.stdout
+    assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
+    proc = run_pretrain(TINY, [*common, "train.train_iters=6", f"run.dir={split_dp1}"])
+    assert "at step 3" in proc.stdout
+    assert losses(split_dp1) == pytest.approx(losses(straight), rel=1e-4)

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -115,6 +116,30 @@ def _prune(root: Path, keep_last: int, current: int) -> None:
         shutil.rmtree(iteration_dir(root, i), ignore_errors=True)
 
 
+def allocate_optimizer_state(optimizer: Any) -> None:
+    """Give a distributed optimizer that has not stepped yet its Adam state.
+
+    megatron-core 0.16's ``DistributedOptimizer.state_dict()`` (which building the state
+    dict to load into calls) reads the ``step`` of every parameter's state in its inner
+    optimizer. With TE or Apex it reads the param groups instead, but torch's Adam (no TE:
+    CPU, MUSA) allocates its per-parameter state only at its first step, so a fresh one
+    fails an assertion there. One step on zero gradients allocates it, as megatron-core
+    does itself before its FSDP loads; the load then overwrites parameters and state.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or inner is None or len(inner.state):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.numel():
+                    p.grad = torch.zeros_like(p)
+        inner.step()
+        inner.zero_grad(set_to_none=True)
+
+
 def load_checkpoint(
     root: str | Path, iteration: int, model: list, optimizer: Any | None
 ) -> dict[str, Any]:
@@ -122,6 +147,8 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
+    if optimizer is not None:
+        allocate_optimizer_state(optimizer)
     state = _full_state(model, optimizer, is_loading=True)
     state["common"] = {}
     loaded = dist_checkpointing.load(state, str(path))
@@ -131,5 +158,54 @@ def load_checkpoint(
         for i, chunk in enumerate(model):
             unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+        load_optimizer_state(optimizer, loaded["optimizer"])
     return loaded.get("common", {})
+
+
+def load_optimizer_state(optimizer: Any, state: Any) -> None:
+    """``optimizer.load_state_dict(state)``, with torch's Adam under the distributed optimizer.
+
+    megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` first puts the loaded
+    ``step`` into every parameter's state of a torch Adam (no TE/Apex: CPU, MUSA), then
+    copies the saved parameter state into exactly the keys that state has, ``step``
+    included, which the saved parameter state leaves out on purpose: a KeyError. Here the
+    parameter state is loaded in a second call, with ``step`` set aside meanwhile. And the
+    one ``step`` tensor megatron-core shares between all parameters becomes one each (torch's
+    Adam adds 1 to each parameter's ``step`` in place: a shared one would count each step
+    once per parameter).
+    """
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if dopt.HAVE_APEX_OR_TE or chained is None:
+        optimizer.load_state_dict(state)
+        return
+    if len(chained) == 1:
+        parts = [state]
+    else:
+        parts = [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state)
+    for opt, part in zip(chained, parts, strict=True):
+        if not isinstance(opt, dopt.DistributedOptimizer) or "param_state" not in part:
+            opt.load_state_dict(part)
+            continue
+        part = dict(part)
+        param_state = part.pop("param_state")
+        kind = part.pop("param_state_sharding_type")
+        opt.load_state_dict(part)  # param groups, steps, grad scaler
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        try:
+            getattr(opt, f"load_parameter_state_from_{_PARAM_STATE_LOADERS[kind]}")(param_state)
+        finally:
+            # one tensor per parameter: megatron-core hands every parameter the same one,
+            # and torch's Adam increments each parameter's step in place
+            for p, step in steps.items():
+                opt.optimizer.state[p]["step"] = step.clone()
+
+
+#: megatron-core's loader of each distributed-optimizer parameter-state format
+_PARAM_STATE_LOADERS = {
+    "fully_reshardable": "fully_reshardable",
+    "dp_reshardable": "dp_reshardable",
+    "fully_sharded_model_space": "fs_model_space",
+    "dp_zero_gather_scatter": "dp_zero",
+}
