@@ -95,6 +95,24 @@ def test_worker_processes_match_inline(traces: Path, monkeypatch: pytest.MonkeyP
         assert a.comm_ops == b.comm_ops == c.comm_ops
 
 
+@pytest.mark.slow
+def test_ray_tasks_match_inline(traces: Path) -> None:
+    """``--ray`` (files as Ray tasks, for jobs spread over nodes) on a local Ray gives the
+    per-rank results one process gives."""
+    ray = pytest.importorskip("ray")
+    inline, _ = load_ranks(traces / "trace_filter", workers=1, progress=False)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        spread, problems = load_ranks(traces / "trace_filter", progress=False, use_ray=True)
+    finally:
+        if started:
+            ray.shutdown()
+    assert not problems and [r.rank for r in spread] == [0, 1]
+    assert spread == inline
+
+
 @pytest.mark.parametrize("parts", [2, 3])
 def test_split_parse_equals_one_process(
     traces: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parts: int
