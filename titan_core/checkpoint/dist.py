@@ -126,11 +126,13 @@ def allocate_optimizer_state(optimizer: Any) -> None:
     fails an assertion there. One step on zero gradients allocates it, as megatron-core
     does itself before its FSDP loads; the load then overwrites parameters and state.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer import distrib_optimizer as dopt
 
+    if dopt.HAVE_APEX_OR_TE:
+        return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        if not isinstance(opt, DistributedOptimizer) or inner is None or len(inner.state):
+        if not isinstance(opt, dopt.DistributedOptimizer) or inner is None or len(inner.state):
             continue
         for group in inner.param_groups:
             for p in group["params"]:
