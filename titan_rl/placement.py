@@ -298,11 +298,18 @@ def ray_init_kwargs(ray_cfg: RayConfig, plan: PlacementPlan) -> dict[str, Any]:
         "include_dashboard": False,
         **common,
     }
-    if plan.resource == "GPU" and plan.available:
-        kwargs["num_gpus"] = plan.available  # Ray does not detect every kind (MUSA)
-    elif plan.resource and plan.available:
-        kwargs["resources"] = {plan.resource: plan.available}
+    if plan.available:  # Ray does not detect every kind (MUSA)
+        kwargs.update(_device_request(plan.resource, plan.available))
     return kwargs
+
+
+def _device_request(resource: str | None, amount: float) -> dict[str, Any]:
+    """``amount`` of a ``resource`` device in Ray's arguments (``num_gpus`` for "GPU")."""
+    if resource is None:
+        return {}
+    if resource == "GPU":
+        return {"num_gpus": amount}
+    return {"resources": {resource: amount}}
 
 
 # ---- the placement group (needs a running Ray) --------------------------------------------
@@ -341,7 +348,6 @@ def _probe(pg: Any, plan: PlacementPlan) -> list[Slot]:
 
     resource = plan.resource
     assert resource is not None
-    device = {"num_gpus": 1} if resource == "GPU" else {"resources": {resource: 1}}
     task = ray.remote(_where)
     refs = [
         task.options(
@@ -349,7 +355,7 @@ def _probe(pg: Any, plan: PlacementPlan) -> list[Slot]:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=i
             ),
-            **device,
+            **_device_request(resource, 1),
         ).remote(resource)
         for i in range(plan.num_bundles)
     ]
@@ -387,12 +393,8 @@ class Placement:
                 self.pg, placement_group_bundle_index=slot.bundle
             ),
         }
-        resource = self.plan.resource
-        if resource == "GPU":
-            opts["num_gpus"] = share
-        elif resource:
-            opts["resources"] = {resource: share}
-        if resource:
+        opts.update(_device_request(self.plan.resource, share))
+        if self.plan.resource:
             opts["runtime_env"] = {"env_vars": dict(NOSET_VISIBLE_DEVICES)}
         return opts
 

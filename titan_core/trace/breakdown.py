@@ -96,8 +96,8 @@ def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
     corr = ev.launch_corr
     l_ts = ev.launch_ts
     l_tid = ev.launch_tid
-    # correlation -> start and thread of its launch; usually each correlation has one
-    # launch, and building the dicts backwards keeps the first one
+    # correlation -> start of its launch (threads: GpuEvents.launch_tid, on first use);
+    # usually each correlation has one launch, and building the dict backwards keeps the first
     ts_of = dict(zip(reversed(corr), reversed(l_ts), strict=True))
     if len(ts_of) != len(corr):  # repeated correlations: the earliest start, the first thread
         ts_of = {}

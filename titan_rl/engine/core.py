@@ -607,25 +607,20 @@ class Engine:
 
     def weight_bytes(self) -> int:
         """Bytes the parameters hold now (0 while the weights are released)."""
-        return sum(p.numel() * p.element_size() for p in self._unique_params())
-
-    def _unique_params(self) -> list[torch.nn.Parameter]:
-        seen: dict[int, torch.nn.Parameter] = {}
-        for p in self.model.parameters():  # tied parameters are one object, listed once
-            seen.setdefault(id(p), p)
-        return list(seen.values())
+        # parameters() lists a tied parameter once
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _release_weights(self) -> None:
         self._targets = {
             n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in self._targets.items()
         }  # the real views would keep the storages alive
         self._released_shapes = {}
-        for p in self._unique_params():
+        for p in self.model.parameters():
             self._released_shapes[id(p)] = p.shape
             p.data = torch.empty(0, dtype=p.dtype)
 
     def _resume_weights(self) -> None:
-        for p in self._unique_params():
+        for p in self.model.parameters():
             p.data = torch.full(self._released_shapes[id(p)], float("nan"), dtype=p.dtype)
         self._released_shapes = {}
         self._targets, self._fused = checkpoint_tensors(self.model)

@@ -25,14 +25,11 @@ class TrainerWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's node IP and a free port there: the process group's rendezvous."""
-        import socket
-
         import ray
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        from titan_rl.actors.server import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the process group and build the Megatron trainer (after ``master_address``)."""
