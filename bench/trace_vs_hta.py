@@ -12,7 +12,10 @@ cold (no parse cache) and warm (second run over its parse cache).
 
 On a shared machine wall times swing with the load, so each tool also reports its CPU time
 (user + system, children included), and ``--repeat N`` runs every measurement N times,
-interleaved, and prints the medians.
+interleaved, and prints the medians. The speedups are medians of per-round ratios (HTA's
+run against Titan's right after it): on a virtual machine whose speed drifts by up to 2x
+over minutes, a ratio of two runs made seconds apart is steadier than a ratio of medians
+taken over the whole session. ``range`` gives the lowest and highest round's cold speedup.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"{'traces':<22}{'HTA s':>8}{'HTA MB':>8}{'Titan s':>9}{'MB':>7}{'warm s':>8}{'speedup':>9}"
-        f"{'warm x':>8}{'kernel x':>9}{'mem ratio':>10}{'HTA cpu':>9}{'Titan cpu':>10}{'cpu x':>8}"
+        f"{'range':>13}{'warm x':>8}{'kernel x':>9}{'mem ratio':>10}{'HTA cpu':>9}"
+        f"{'Titan cpu':>10}{'cpu x':>8}"
     )
     for sub in DIRS:
         d = str(TRACES / sub)
@@ -98,11 +102,21 @@ def main() -> None:
                 run(TITAN, d, cache)
                 warms.append(run(TITAN, d, cache))
         h, cold, warm = _median(hs), _median(colds), _median(warms)
+        speedups = [a["wall"] / b["wall"] for a, b in zip(hs, colds, strict=True)]
+        speedup = statistics.median(speedups)
+        warm_x = statistics.median(a["wall"] / b["wall"] for a, b in zip(hs, warms, strict=True))
+        kernel_x = statistics.median(
+            a["kernel_wall"] / b["wall"] for a, b in zip(hs, colds, strict=True)
+        )
+        mem = statistics.median(b["rss_mb"] / a["rss_mb"] for a, b in zip(hs, colds, strict=True))
+        cpu_x = statistics.median(
+            a["cpu"] / max(b["cpu"], 1e-3) for a, b in zip(hs, colds, strict=True)
+        )
+        spread = f"{min(speedups):.1f}-{max(speedups):.1f}x"
         print(
             f"{sub:<22}{h['wall']:8.2f}{h['rss_mb']:8.0f}{cold['wall']:9.2f}{cold['rss_mb']:7.0f}"
-            f"{warm['wall']:8.2f}{h['wall'] / cold['wall']:8.1f}x{h['wall'] / warm['wall']:7.1f}x"
-            f"{h['kernel_wall'] / cold['wall']:8.1f}x{cold['rss_mb'] / h['rss_mb']:10.2f}"
-            f"{h['cpu']:9.2f}{cold['cpu']:10.2f}{h['cpu'] / max(cold['cpu'], 1e-3):7.1f}x",
+            f"{warm['wall']:8.2f}{speedup:8.1f}x{spread:>13}{warm_x:7.1f}x{kernel_x:8.1f}x"
+            f"{mem:10.2f}{h['cpu']:9.2f}{cold['cpu']:10.2f}{cpu_x:7.1f}x",
             flush=True,
         )
 
