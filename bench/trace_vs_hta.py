@@ -83,6 +83,11 @@ def _median(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
+def _ratios(num: list[dict], num_key: str, den: list[dict], den_key: str) -> list[float]:
+    """Per round, one tool's figure over the other's (their runs were made seconds apart)."""
+    return [a[num_key] / max(b[den_key], 1e-3) for a, b in zip(num, den, strict=True)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=1, help="runs per measurement (medians)")
@@ -102,16 +107,12 @@ def main() -> None:
                 run(TITAN, d, cache)
                 warms.append(run(TITAN, d, cache))
         h, cold, warm = _median(hs), _median(colds), _median(warms)
-        speedups = [a["wall"] / b["wall"] for a, b in zip(hs, colds, strict=True)]
+        speedups = _ratios(hs, "wall", colds, "wall")
         speedup = statistics.median(speedups)
-        warm_x = statistics.median(a["wall"] / b["wall"] for a, b in zip(hs, warms, strict=True))
-        kernel_x = statistics.median(
-            a["kernel_wall"] / b["wall"] for a, b in zip(hs, colds, strict=True)
-        )
-        mem = statistics.median(b["rss_mb"] / a["rss_mb"] for a, b in zip(hs, colds, strict=True))
-        cpu_x = statistics.median(
-            a["cpu"] / max(b["cpu"], 1e-3) for a, b in zip(hs, colds, strict=True)
-        )
+        warm_x = statistics.median(_ratios(hs, "wall", warms, "wall"))
+        kernel_x = statistics.median(_ratios(hs, "kernel_wall", colds, "wall"))
+        mem = statistics.median(_ratios(colds, "rss_mb", hs, "rss_mb"))
+        cpu_x = statistics.median(_ratios(hs, "cpu", colds, "cpu"))
         spread = f"{min(speedups):.1f}-{max(speedups):.1f}x"
         print(
             f"{sub:<22}{h['wall']:8.2f}{h['rss_mb']:8.0f}{cold['wall']:9.2f}{cold['rss_mb']:7.0f}"
