@@ -3,9 +3,11 @@ breakdowns, each tool in its own subprocess (peak RSS of it and its children).
 
 "Breakdowns" are the ones Titan's summary reports and HTA has: the GPU kernel breakdown,
 the temporal breakdown (compute / non-compute / idle per rank) and comm/compute overlap.
-Titan's side is everything ``titan_core.trace analyze`` computes (``load_ranks`` +
-``build_summary``: also comm, stragglers, pipeline and critical path). The HTA time of
-load + kernel breakdown alone is printed too, with its ratio ("kernel x").
+Titan's side is everything ``titan_core.trace analyze`` computes (``analyze_traces``:
+``load_ranks`` + ``build_summary``, also comm, stragglers, pipeline and critical path). The
+HTA time of load + kernel breakdown alone is printed too, with its ratio ("kernel x").
+Neither tool's time includes importing it; those imports are timed on their own and
+printed ("import s": HTA pulls in pandas and its plotting stack, Titan only msgspec).
 
 Goals: Titan at least 20x faster and at most 1/4 of HTA's peak memory. Titan is measured
 cold (no parse cache) and warm (second run over its parse cache).
@@ -41,7 +43,9 @@ HTA = r"""
 import json, logging, resource, sys, time
 logging.disable(logging.WARNING)
 import warnings; warnings.filterwarnings("ignore")
+t_imp = time.perf_counter()
 from hta.trace_analysis import TraceAnalysis
+imp = time.perf_counter() - t_imp
 c0 = sum(x.ru_utime + x.ru_stime for x in (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 t = time.perf_counter()
 ta = TraceAnalysis(trace_dir=sys.argv[1])
@@ -53,22 +57,23 @@ wall = time.perf_counter() - t
 u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 cpu = sum(x.ru_utime + x.ru_stime for x in u) - c0
 rss = max(x.ru_maxrss for x in u)
-print(json.dumps({"wall": wall, "kernel_wall": kernel_wall, "cpu": cpu, "rss_mb": rss / 1024}))
+print(json.dumps({"wall": wall, "kernel_wall": kernel_wall, "cpu": cpu, "rss_mb": rss / 1024, "import": imp}))
 """
 
 TITAN = r"""
 import json, resource, sys, time
-from titan_core.trace.analyze import build_summary, load_ranks
+t_imp = time.perf_counter()
+from titan_core.trace.analyze import analyze_traces
+imp = time.perf_counter() - t_imp
 cache = sys.argv[2] if sys.argv[2] != "-" else None
 c0 = sum(x.ru_utime + x.ru_stime for x in (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 t = time.perf_counter()
-res, probs = load_ranks(sys.argv[1], cache_dir=cache, progress=False)
-s = build_summary(res, probs)
+summary, results = analyze_traces(sys.argv[1], cache_dir=cache, progress=False)
 wall = time.perf_counter() - t
 u = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
 cpu = sum(x.ru_utime + x.ru_stime for x in u) - c0
 rss = max(x.ru_maxrss for x in u)
-print(json.dumps({"wall": wall, "cpu": cpu, "rss_mb": rss / 1024}))
+print(json.dumps({"wall": wall, "cpu": cpu, "rss_mb": rss / 1024, "import": imp}))
 """
 
 
@@ -95,7 +100,7 @@ def main() -> None:
     print(
         f"{'traces':<22}{'HTA s':>8}{'HTA MB':>8}{'Titan s':>9}{'MB':>7}{'warm s':>8}{'speedup':>9}"
         f"{'range':>13}{'warm x':>8}{'kernel x':>9}{'mem ratio':>10}{'HTA cpu':>9}"
-        f"{'Titan cpu':>10}{'cpu x':>8}"
+        f"{'Titan cpu':>10}{'cpu x':>8}{'import s HTA/Titan':>20}"
     )
     for sub in DIRS:
         d = str(TRACES / sub)
@@ -115,9 +120,10 @@ def main() -> None:
         cpu_x = statistics.median(_ratios(hs, "cpu", colds, "cpu"))
         spread = f"{min(speedups):.1f}-{max(speedups):.1f}x"
         print(
-            f"{sub:<22}{h['wall']:8.2f}{h['rss_mb']:8.0f}{cold['wall']:9.2f}{cold['rss_mb']:7.0f}"
-            f"{warm['wall']:8.2f}{speedup:8.1f}x{spread:>13}{warm_x:7.1f}x{kernel_x:8.1f}x"
-            f"{mem:10.2f}{h['cpu']:9.2f}{cold['cpu']:10.2f}{cpu_x:7.1f}x",
+            f"{sub:<22}{h['wall']:8.2f}{h['rss_mb']:8.0f}{cold['wall']:9.3f}{cold['rss_mb']:7.0f}"
+            f"{warm['wall']:8.3f}{speedup:8.1f}x{spread:>13}{warm_x:7.1f}x{kernel_x:8.1f}x"
+            f"{mem:10.2f}{h['cpu']:9.2f}{cold['cpu']:10.2f}{cpu_x:7.1f}x"
+            f"{h['import']:13.2f}/{cold['import']:.3f}",
             flush=True,
         )
 

@@ -10,8 +10,8 @@ those small results.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
+import pickle
 import sys
 from collections import defaultdict
 from collections.abc import Iterator
@@ -25,7 +25,7 @@ from titan_core.trace.critical_path import analyze_steps
 from titan_core.trace.forked import Forked
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
-from titan_core.trace.parse import TraceError, find_trace_files, load_cached
+from titan_core.trace.parse import TraceError, find_trace_files, gc_paused, load_cached
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
 from titan_core.trace.stragglers import clock_offsets, slow_ranks
 
@@ -33,20 +33,14 @@ from titan_core.trace.stragglers import clock_offsets, slow_ranks
 def _work(
     path: str, cfg: TraceConfig, cache_dir: str | None, parts: int = 1
 ) -> RankResult | tuple[str, str]:
-    # parsing and reducing a rank allocates many objects and frees them by reference
-    # counting: the cyclic GC would only rescan them over and over
-    gc_was = gc.isenabled()
-    gc.disable()
     try:
-        rt = load_cached(path, cfg, cache_dir, parts)
-        return analyze_rank(rt, cfg, -1 if rt.rank is None else rt.rank)
+        with gc_paused():
+            rt = load_cached(path, cfg, cache_dir, parts)
+            return analyze_rank(rt, cfg, -1 if rt.rank is None else rt.rank)
     except TraceError as exc:
         return (path, str(exc))
     except Exception as exc:  # one bad file must not stop the others
         return (path, f"{type(exc).__name__}: {exc}")
-    finally:
-        if gc_was:
-            gc.enable()
 
 
 def _forked_map(
@@ -54,7 +48,6 @@ def _forked_map(
 ) -> Iterator[RankResult | tuple[str, str]]:
     """:func:`_work` over ``files``: this process takes every ``workers``-th file and
     forked helpers the others, each sending its results back pickled."""
-    import pickle
 
     def share_work(share: list[str]) -> bytes:
         return pickle.dumps([_work(f, cfg, cache) for f in share])
@@ -93,6 +86,7 @@ def _small(files: list[str], workers: int) -> bool:
     return size < INLINE_BYTES_PER_WORKER * min(workers, len(files))
 
 
+@gc_paused()
 def load_ranks(
     trace_dir: str | Path,
     cfg: TraceConfig | None = None,
@@ -255,6 +249,7 @@ def _rank_entry(r: RankResult) -> dict[str, Any]:
     }
 
 
+@gc_paused()
 def build_summary(
     results: list[RankResult], problems: list[dict[str, str]], pp: int | None = None
 ) -> dict[str, Any]:
@@ -300,3 +295,21 @@ def build_summary(
         "pipeline": pipe,
         "critical_path": cp,
     }
+
+
+@gc_paused()
+def analyze_traces(
+    trace_dir: str | Path,
+    cfg: TraceConfig | None = None,
+    workers: int | None = None,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    use_ray: bool = False,
+    pp: int | None = None,
+) -> tuple[dict[str, Any], list[RankResult]]:
+    """What ``python -m titan_core.trace analyze`` computes: :func:`load_ranks` then
+    :func:`build_summary`, with the cyclic GC paused across both (turned back on between
+    them, it would at once rescan every result just built). Returns the summary and the
+    per-rank results (the report draws from both)."""
+    results, problems = load_ranks(trace_dir, cfg, workers, cache_dir, progress, use_ray)
+    return build_summary(results, problems, pp=pp), results

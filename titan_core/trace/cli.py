@@ -31,20 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
 
-    from titan_core.trace.analyze import build_summary, load_ranks
+    from titan_core.trace.analyze import analyze_traces
     from titan_core.trace.categories import TraceConfig
 
     t0 = time.perf_counter()
     cfg = TraceConfig.from_file(args.config)
-    results, problems = load_ranks(
+    summary, results = analyze_traces(
         args.trace_dir,
         cfg,
         workers=args.workers,
         cache_dir=None if args.no_cache else args.cache_dir,
         progress=not args.quiet,
         use_ray=args.ray,
+        pp=args.pp,
     )
-    summary = build_summary(results, problems, pp=args.pp)
+    problems = summary["problems"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_jsonable))

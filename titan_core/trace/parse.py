@@ -24,6 +24,7 @@ re-analysis of the same files cheap.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -39,6 +40,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar, Union
 
 import msgspec
+
+try:  # ISA-L inflates about 3x faster than zlib; imported here, not per file (~2 ms)
+    from isal import isal_zlib as _isal_zlib
+except ImportError:  # pragma: no cover - optional speedup
+    _isal_zlib = None
 
 from titan_core.trace.categories import TraceConfig
 from titan_core.trace.forked import Forked
@@ -498,18 +504,25 @@ _ARRAY_END = re.compile(rb"\n  \}\s*\]|^\s*\]")
 _PIECE = 1 << 16
 
 
-#: compressed files from this size on are inflated with ISA-L when it is installed (about
-#: 3x faster than zlib; importing it takes under a millisecond)
-_ISAL_MIN_BYTES = 1 << 14
-
-
 def _gzip_module() -> tuple[Any, tuple[type[Exception], ...]]:
     """ISA-L's zlib-compatible inflater if installed, else zlib (same interface)."""
-    try:
-        from isal import isal_zlib
-    except ImportError:  # pragma: no cover - optional speedup
+    if _isal_zlib is None:  # pragma: no cover - optional speedup
         return zlib, (zlib.error,)
-    return isal_zlib, (isal_zlib.error, zlib.error)
+    return _isal_zlib, (_isal_zlib.error, zlib.error)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic GC off for a stretch of parsing or analysis: it allocates hundreds of
+    thousands of objects and frees them by reference counting (no cycles), so the GC
+    would only rescan the growing columns over and over. Nests; restores the old state."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _iter_plain(path: Path) -> Iterator[bytes]:
@@ -521,8 +534,7 @@ def _iter_plain(path: Path) -> Iterator[bytes]:
             while chunk := fh.read(_PIECE):
                 yield chunk
             return
-        big = os.fstat(fh.fileno()).st_size >= _ISAL_MIN_BYTES
-        zmod, errors = _gzip_module() if big else (zlib, (zlib.error,))
+        zmod, errors = _gzip_module()
         d = zmod.decompressobj(wbits=31)
         while comp := fh.read(_PIECE // 4):
             try:
@@ -626,7 +638,7 @@ def _stream_events(path: Path, sorter: _Sorter, lo: int = 0, hi: int | None = No
 def _read_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
-        zmod, errors = _gzip_module() if len(data) >= _ISAL_MIN_BYTES else (zlib, (zlib.error,))
+        zmod, errors = _gzip_module()
         try:
             d = zmod.decompressobj(wbits=31)
             out = d.decompress(data)
@@ -784,17 +796,10 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None, parts: int = 1)
     cfg = cfg or TraceConfig()
     p = Path(path)
     warnings: list[str] = []
-    # parsing allocates hundreds of thousands of objects and frees none of them in
-    # cycles: the cyclic GC would only rescan the growing columns over and over
-    gc_was = gc.isenabled()
-    gc.disable()
-    try:
-        if parts > 1 and sys.platform != "linux":  # fork is Linux's safe default only
-            parts = 1
+    if parts > 1 and sys.platform != "linux":  # fork is Linux's safe default only
+        parts = 1
+    with gc_paused():
         events, dist, device_props = _parse_any(p, cfg, parts)
-    finally:
-        if gc_was:
-            gc.enable()
     rank = _int(dist.get("rank"), None) if isinstance(dist, dict) else None
     if rank is None:
         m = _RANK_IN_NAME.search(p.name)
