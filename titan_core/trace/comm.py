@@ -34,6 +34,8 @@ P2P = {"send", "recv", "sendrecv"}
 _PEER_RE = re.compile(r"(send|recv)\D*?(\d+)\s*(->|<-)\s*(\d+)", re.I)
 _TITAN_P2P_RE = re.compile(r"titan/p2p/(send|recv)/peer(\d+)")
 _MB_RE = re.compile(r"titan/microbatch/(fwd|bwd)")
+_SEND_RE = re.compile(r"(^|[:_])send")
+_RECV_RE = re.compile(r"(^|[:_])recv")
 
 
 @dataclass
@@ -104,9 +106,9 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
     if m:
         return (m.group(1), int(m.group(2)))
     low = name.lower()
-    if re.search(r"(^|[:_])send", low) and "recv" not in low:
+    if _SEND_RE.search(low) and "recv" not in low:
         return ("send", None)
-    if re.search(r"(^|[:_])recv", low):
+    if _RECV_RE.search(low):
         return ("recv", None)
     return None
 
@@ -114,8 +116,8 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
 def extract_comm_ops(ev: Events, gpu: GpuEvents, cfg: TraceConfig) -> list[CommOp]:
     """All comm ops of a rank in time order (device kernels, or host ranges if none)."""
     skip = set(cfg.gpu_event_cats) | {"gpu_user_annotation"}
-    comm_re = re.compile("|".join(cfg.cpu_comm_patterns))
-    is_comm = {n: comm_re.search(n) is not None for n in set(ev.host_name)}
+    # matched at the start of the name, as the parser kept them (TraceConfig.is_cpu_comm)
+    is_comm = {n: cfg.is_cpu_comm(n) for n in set(ev.host_name)}
     # host ranges as (ts, end, name, tid, info) rows
     host: list[_HostRow] = []
     titan: list[_HostRow] = []

@@ -66,7 +66,8 @@ def replay(
     bounds: dict[int, tuple[float, float]],
     scale: dict[int, float] | None = None,
 ) -> dict[str, Any]:
-    """Replay one step; returns step time, per-rank ends and the dependency pointers."""
+    """Replay one step; returns step time, per-rank ends and the dependency pointers
+    (``arrive``, ``done``, ``cause``: per rank, a list over its ops)."""
     scale = scale or {}
     members: dict[Key, list[tuple[int, int]]] = defaultdict(list)
     for r, ops in seqs.items():
@@ -76,10 +77,11 @@ def replay(
     kdur: dict[Key, float] = {
         k: min(seqs[r][j].e - seqs[r][j].s for r, j in m) for k, m in members.items()
     }
-    arrive: dict[tuple[int, int], float] = {}
-    done: dict[tuple[int, int], float] = {}
-    cause: dict[tuple[int, int], tuple[int, int]] = {}
-    ptr = {r: 0 for r in seqs}
+    arrive: dict[int, list[float]] = {r: [0.0] * len(ops) for r, ops in seqs.items()}
+    done: dict[int, list[float]] = {r: [0.0] * len(ops) for r, ops in seqs.items()}
+    cause: dict[int, list[tuple[int, int]]] = {r: [(r, 0)] * len(ops) for r, ops in seqs.items()}
+    ptr = {r: 0 for r in seqs}  # ops completed
+    arrived = {r: 0 for r in seqs}  # ops issued (ptr or one more, when blocked)
     pending = set(r for r in seqs if seqs[r])
     # event-driven: a rank blocked on a key waits until all of its members have arrived
     missing = {k: len(m) for k, m in members.items()}
@@ -91,17 +93,19 @@ def replay(
             if r not in pending:
                 continue
             ops, sc = seqs[r], scale.get(r, 1.0)
-            while ptr[r] < len(ops):
-                j = ptr[r]
+            r_arrive, r_done, r_cause = arrive[r], done[r], cause[r]
+            j = ptr[r]
+            while j < len(ops):
                 op = ops[j]
-                if (r, j) not in arrive:
+                if arrived[r] == j:
                     if j == 0:
                         base = bounds[r][0]
                     elif op.blocking:
-                        base = done[(r, j - 1)]
+                        base = r_done[j - 1]
                     else:
-                        base = arrive[(r, j - 1)]
-                    arrive[(r, j)] = base + op.work * sc
+                        base = r_arrive[j - 1]
+                    r_arrive[j] = base + op.work * sc
+                    arrived[r] = j + 1
                     for k in op.keys:
                         missing[k] -= 1
                         if missing[k] == 0:
@@ -110,22 +114,26 @@ def replay(
                 if blocker is not None:
                     waiters[blocker].append(r)
                     break
-                ready, who = arrive[(r, j)], (r, j)
+                ready, who = r_arrive[j], (r, j)
                 for k in op.keys:
                     for m in members[k]:
-                        if arrive[m] > ready:
-                            ready, who = arrive[m], m
+                        t = arrive[m[0]][m[1]]
+                        if t > ready:
+                            ready, who = t, m
                 d = max((kdur[k] for k in op.keys), default=op.e - op.s)
-                done[(r, j)] = ready + d
-                cause[(r, j)] = who
-                ptr[r] += 1
-            if ptr[r] >= len(ops):
+                r_done[j] = ready + d
+                r_cause[j] = who
+                j += 1
+            ptr[r] = j
+            if j >= len(ops):
                 pending.discard(r)
         if pending:
             # inconsistent matching (ops missing on some member): release the earliest one
-            r = min(pending, key=lambda x: arrive.get((x, ptr[x]), float("inf")))
-            j = ptr[r]
-            op = seqs[r][j]
+            r = min(
+                pending,
+                key=lambda x: arrive[x][ptr[x]] if arrived[x] > ptr[x] else float("inf"),
+            )
+            op = seqs[r][ptr[r]]
             op.keys = []
             work.append(r)
     ends = {}
@@ -134,7 +142,7 @@ def replay(
         if ops:
             last = ops[-1]
             tail = max(0.0, hi - max(last.e, lo))
-            ends[r] = done[(r, len(ops) - 1)] + tail * scale.get(r, 1.0)
+            ends[r] = done[r][-1] + tail * scale.get(r, 1.0)
         else:
             ends[r] = lo + (hi - lo) * scale.get(r, 1.0)
     start = min(b[0] for b in bounds.values())
@@ -153,27 +161,27 @@ def critical_path(
         segs.append((r, "compute", bounds[r][0], ends[r]))
         state = None
     else:
-        segs.append((r, "compute", rep["done"][(r, n - 1)], ends[r]))
+        segs.append((r, "compute", rep["done"][r][n - 1], ends[r]))
         state = ("done", r, n - 1)
     guard = 0
     while state is not None and guard < 1_000_000:
         guard += 1
         what, r, j = state
         if what == "done":
-            cr, cj = rep["cause"][(r, j)]
-            segs.append((r, "comm", rep["arrive"][(cr, cj)], rep["done"][(r, j)]))
+            cr, cj = rep["cause"][r][j]
+            segs.append((r, "comm", rep["arrive"][cr][cj], rep["done"][r][j]))
             state = ("arrive", cr, cj)
             continue
         op = seqs[r][j]
-        t = rep["arrive"][(r, j)]
+        t = rep["arrive"][r][j]
         if j == 0:
             segs.append((r, "compute", bounds[r][0], t))
             state = None
         elif op.blocking:
-            segs.append((r, "compute", rep["done"][(r, j - 1)], t))
+            segs.append((r, "compute", rep["done"][r][j - 1], t))
             state = ("done", r, j - 1)
         else:
-            segs.append((r, "compute", rep["arrive"][(r, j - 1)], t))
+            segs.append((r, "compute", rep["arrive"][r][j - 1], t))
             state = ("arrive", r, j - 1)
     segs = [s for s in reversed(segs) if s[3] > s[2]]
     merged: list[list[Any]] = []
