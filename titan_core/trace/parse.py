@@ -8,7 +8,7 @@ empty structs, and the rest of each event (most of ``args``) is skipped without 
 Python objects. Each piece is then sorted into a few small groups and dropped, so neither
 the whole text nor all its events are ever alive at once:
 
-- device events (kernels, copies, sets): times, name, stream, correlation, comm args;
+- device events (kernels, copies, sets): times, name, correlation, comm args;
 - launches: (correlation, start, thread) of host events carrying a correlation id;
 - host ranges the analyses look at by name: ``ProfilerStep#N``, ``titan/...`` and host
   comm ranges (``nccl:all_reduce``, ``record_param_comms``...);
@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - optional speedup
 from titan_core.trace.categories import TraceConfig
 from titan_core.trace.forked import Forked
 
-CACHE_VERSION = "4"
+CACHE_VERSION = "5"
 
 
 class TraceError(Exception):
@@ -181,8 +181,6 @@ class Events:
     dev_ts: list[int] = field(default_factory=list)
     dev_end: list[int] = field(default_factory=list)
     dev_name: list[str] = field(default_factory=list)
-    dev_cat: list[str] = field(default_factory=list)
-    dev_stream: list[int] = field(default_factory=list)
     dev_corr: list[int] = field(default_factory=list)
     dev_info: list[tuple | None] = field(default_factory=list)
     host_ts: list[int] = field(default_factory=list)
@@ -242,7 +240,7 @@ class Events:
         return ev
 
 
-_STRING_COLUMNS = frozenset({"dev_name", "dev_cat", "host_name", "host_cat"})
+_STRING_COLUMNS = frozenset({"dev_name", "host_name", "host_cat"})
 
 
 @dataclass
@@ -295,6 +293,10 @@ class _Sorter:
         self._seen: set[str] = set()
         self._special: set[str] = set()
         self._comm: set[str] = set()
+        #: one object per distinct kept name, category and thread id: a rank's 20k kernel
+        #: events carry a few dozen names of ~200 characters, and each decoded event brings
+        #: its own copy (megabytes of duplicates to keep, and to hash again in the analysis)
+        self._shared: dict[Any, Any] = {}
 
     def _classify(self, names: set[str]) -> None:
         new = names - self._seen
@@ -353,7 +355,7 @@ class _Sorter:
             corr, ts, tid = zip(*launch, strict=True)
             ev.launch_corr.extend(corr)
             _extend_times(ev.launch_ts, ts, math.ceil)
-            ev.launch_tid.extend(tid)
+            ev.launch_tid.extend(map(self._shared.setdefault, tid, tid))
         args = [e.args for e in dev]
         hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))] if dev else []
         if special:
@@ -379,9 +381,8 @@ class _Sorter:
         if dev:
             _extend_times(ev.dev_ts, [e.ts for e in dev], math.ceil)
             _extend_times(ev.dev_end, [e.ts + e.dur for e in dev], math.floor)
-            ev.dev_name.extend([e.name for e in dev])
-            ev.dev_cat.extend([e.cat for e in dev])  # type: ignore[misc]
-            ev.dev_stream.extend([a.stream for a in args])
+            names = [e.name for e in dev]
+            ev.dev_name.extend(map(self._shared.setdefault, names, names))
             ev.dev_corr.extend([a.correlation for a in args])
             ev.dev_info.extend(
                 [
@@ -396,9 +397,13 @@ class _Sorter:
         if hs:
             _extend_times(ev.host_ts, [e.ts for e in hs], math.ceil)
             _extend_times(ev.host_end, [e.ts + e.dur for e in hs], math.floor)
-            ev.host_name.extend([e.name for e in hs])
-            ev.host_cat.extend([e.cat for e in hs])  # type: ignore[misc]
-            ev.host_tid.extend([e.tid for e in hs])
+            share = self._shared.setdefault
+            for col, values in (
+                (ev.host_name, [e.name for e in hs]),
+                (ev.host_cat, [e.cat for e in hs]),
+                (ev.host_tid, [e.tid for e in hs]),
+            ):
+                col.extend(map(share, values, values))
             ev.host_info.extend(
                 [
                     _info(a, e.cat in gpu_cats or e.name in comm)
