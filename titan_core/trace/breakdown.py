@@ -77,26 +77,28 @@ class GpuEvents:
     #: correlation id of each event; the launches' (correlation, thread) columns
     corr: list[int] = field(default_factory=list)
     launches: tuple[list[int], list[Any]] = ([], [])
-    _thread_of: dict[int, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.ts)
 
-    def launch_tid(self, i: int) -> Any:
-        """The thread that launched event ``i`` (None without a launch): only comm
-        kernels need it, so the lookup table is built on first use."""
-        if self._thread_of is None:
-            corr, tid = self.launches
-            # backwards: a repeated correlation keeps its first launch's thread
-            self._thread_of = dict(zip(reversed(corr), reversed(tid), strict=True))
-        return self._thread_of.get(self.corr[i])
+    def launch_threads(self, events: list[int]) -> list[Any]:
+        """The thread that launched each of ``events`` (None without a launch; for a
+        repeated correlation, its first launch's). Only comm kernels need threads, so
+        only their correlations are looked up."""
+        want = {self.corr[i] for i in events}
+        corr, tid = self.launches
+        keep = list(map(want.__contains__, corr))
+        # backwards: a repeated correlation keeps its first launch's thread
+        corr, tid = list(compress(corr, keep)), list(compress(tid, keep))
+        first = dict(zip(reversed(corr), reversed(tid), strict=True))
+        return [first.get(self.corr[i]) for i in events]
 
 
 def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
     corr = ev.launch_corr
     l_ts = ev.launch_ts
     l_tid = ev.launch_tid
-    # correlation -> start of its launch (threads: GpuEvents.launch_tid, on first use);
+    # correlation -> start of its launch (threads: GpuEvents.launch_threads, on demand);
     # usually each correlation has one launch, and building the dict backwards keeps the first
     ts_of = dict(zip(reversed(corr), reversed(l_ts), strict=True))
     if len(ts_of) != len(corr):  # repeated correlations: the earliest start, the first thread

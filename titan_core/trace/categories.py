@@ -146,23 +146,21 @@ def collective_from_kernel(name: str) -> tuple[str, str]:
     return coll, algo
 
 
+_COLLECTIVE_ALIASES = {
+    "alltoallv": "alltoall",
+    "reducescattertensor": "reducescatter",
+    "allgathertensor": "allgather",
+    "batchisendirecv": "sendrecv",
+}
+
+
 @lru_cache(maxsize=8192)
 def normalize_collective(name: str) -> str:
     """Canonical collective name: ``nccl:all_reduce``/``allreduce``/``AllReduce`` -> ``allreduce``."""
     n = name.split(":", 1)[-1].lower().strip("_")
     n = n.split(" ", 1)[0]
     n = n.replace("_", "").replace("base", "").replace("coalesced", "").replace("into", "")
-    aliases = {
-        "alltoall": "alltoall",
-        "alltoallv": "alltoall",
-        "reducescattertensor": "reducescatter",
-        "allgathertensor": "allgather",
-        "recv": "recv",
-        "send": "send",
-        "sendrecv": "sendrecv",
-        "batchisendirecv": "sendrecv",
-    }
-    return aliases.get(n, n)
+    return _COLLECTIVE_ALIASES.get(n, n)
 
 
 #: bus-bandwidth factor (nccl-tests convention) from the group size n
@@ -201,6 +199,7 @@ DTYPE_BYTES = {
 }
 
 
+@lru_cache(maxsize=1024)
 def dtype_bytes(dtype: str | None) -> int:
     if not dtype:
         return 4

@@ -176,13 +176,13 @@ def _from_kernels(
     starts = {t: [r[0] for r in rows] for t, rows in by_tid.items()}
     last_launch: dict[Any, int] = {}
     ops = []
-    for i in kernels:
+    for i, tid in zip(kernels, gpu.launch_threads(kernels), strict=True):
         name = gpu.name[i]
         coll_k, algo = collective_from_kernel(name)
         own = gpu.info[i]
         info = dict(_NO_INFO) if own is None else dict(zip(COMM_FIELDS, own, strict=True))
         p2p: list[tuple[str, int | None]] = []
-        tid, lts = gpu.launch_tid(i), gpu.launch_ts[i]
+        lts = gpu.launch_ts[i]
         if tid in by_tid and lts is not None:
             hrows, hs = by_tid[tid], starts[tid]
             lo = last_launch.get(tid, -1)

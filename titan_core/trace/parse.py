@@ -214,15 +214,18 @@ class Events:
         self.n_events += other.n_events
 
     def to_builtins(self) -> dict[str, Any]:
-        """Plain data for msgpack (parse cache, split parsing). The name and category
-        columns go as a table of distinct strings and indices into it: kernel names are
-        long and repeat, so this is a fraction of the bytes to pack and unpack."""
+        """Plain data for msgpack (parse cache, split parsing). Names, categories and
+        thread ids go as a table of distinct values and indices into it (kernel names are
+        long and repeat: a fraction of the bytes, and one object per value when unpacked);
+        comm args, None for all but a few events, as (count, [(index, args), ...])."""
         out: dict[str, Any] = {}
         for k, v in self.__dict__.items():
-            if k in _STRING_COLUMNS:
-                index: dict[str, int] = {}
+            if k in _TABLE_COLUMNS:
+                index: dict[Any, int] = {}
                 codes = [index.setdefault(x, len(index)) for x in v]
                 out[k] = (list(index), codes)
+            elif k.endswith("_info"):
+                out[k] = (len(v), [(i, x) for i, x in enumerate(v) if x is not None])
             else:
                 out[k] = v
         return out
@@ -231,16 +234,21 @@ class Events:
     def from_builtins(cls, d: dict[str, Any]) -> Events:
         ev = cls()
         for k, v in d.items():
-            if k in _STRING_COLUMNS:
+            if k in _TABLE_COLUMNS:
                 table, idx = v
                 v = list(map(table.__getitem__, idx))
-            elif k.endswith("_info"):  # msgpack gives the tuples back as lists
-                v = [tuple(x) if isinstance(x, list) else x for x in v]
+            elif k.endswith("_info"):
+                n, given = v
+                v = [None] * n
+                for i, x in given:  # msgpack gives the tuples back as lists
+                    v[i] = tuple(x)
             setattr(ev, k, v)
         return ev
 
 
-_STRING_COLUMNS = frozenset({"dev_name", "host_name", "host_cat"})
+_TABLE_COLUMNS = frozenset(
+    {"dev_name", "host_name", "host_cat", "host_tid", "launch_tid", "ops_tid"}
+)
 
 
 @dataclass
