@@ -5,11 +5,12 @@ import json
 import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from titan_core.trace.analyze import build_summary, load_ranks
 from titan_core.trace.cli import main
-from titan_core.trace.parse import parse_file
+from titan_core.trace.parse import Events, parse_file
 
 
 def test_bad_files_reported_rest_analyzed(traces: Path, tmp_path: Path) -> None:
@@ -62,6 +63,18 @@ def test_parse_cache_roundtrip(traces: Path, tmp_path: Path) -> None:
     b, _ = load_ranks(src, workers=1, progress=False, cache_dir=tmp_path)
     assert a[0].kernel_time_us == b[0].kernel_time_us
     assert len(a[0].comm_ops) == len(b[0].comm_ops) == 21
+
+
+def test_packed_columns_roundtrip(traces: Path) -> None:
+    """The columns a helper process or the parse cache packs come back equal, comm args
+    included; repeated names and thread ids are one object each, on both sides."""
+    ev = parse_file(next((traces / "nccl_parser_config").glob("*.gz"))).events
+    assert any(x is not None for x in ev.dev_info) and any(x is None for x in ev.dev_info)
+    back = Events.from_builtins(msgspec.msgpack.decode(msgspec.msgpack.encode(ev.to_builtins())))
+    assert back.__dict__ == ev.__dict__
+    for events in (ev, back):
+        for col in (events.dev_name, events.launch_tid, events.host_name):
+            assert len({id(x) for x in col}) == len(set(col)) < len(col)
 
 
 def test_import_is_light() -> None:

@@ -304,7 +304,8 @@ class _Sorter:
         #: one object per distinct kept name, category and thread id: a rank's 20k kernel
         #: events carry a few dozen names of ~200 characters, and each decoded event brings
         #: its own copy (megabytes of duplicates to keep, and to hash again in the analysis)
-        self._shared: dict[Any, Any] = {}
+        self._strings: dict[str, str] = {}
+        self._threads: dict[Any, Any] = {}
 
     def _classify(self, names: set[str]) -> None:
         new = names - self._seen
@@ -347,7 +348,8 @@ class _Sorter:
             ops = [e for e in host if e.cat == "cpu_op" and e.name not in comm]
             _extend_times(ev.ops_ts, [e.ts for e in ops], math.ceil)
             _extend_times(ev.ops_end, [e.ts + e.dur for e in ops], math.floor)
-            ev.ops_tid.extend([e.tid for e in ops])
+            tids = [e.tid for e in ops]
+            ev.ops_tid.extend(map(self._threads.setdefault, tids, tids))
         # plain cpu ops are no launches, ranges of interest or device events
         rest = [e for e in host if e.cat != "cpu_op" or e.name in comm]
         if not ev.has_stream:
@@ -363,7 +365,7 @@ class _Sorter:
             corr, ts, tid = zip(*launch, strict=True)
             ev.launch_corr.extend(corr)
             _extend_times(ev.launch_ts, ts, math.ceil)
-            ev.launch_tid.extend(map(self._shared.setdefault, tid, tid))
+            ev.launch_tid.extend(map(self._threads.setdefault, tid, tid))
         args = [e.args for e in dev]
         hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))] if dev else []
         if special:
@@ -390,7 +392,7 @@ class _Sorter:
             _extend_times(ev.dev_ts, [e.ts for e in dev], math.ceil)
             _extend_times(ev.dev_end, [e.ts + e.dur for e in dev], math.floor)
             names = [e.name for e in dev]
-            ev.dev_name.extend(map(self._shared.setdefault, names, names))
+            ev.dev_name.extend(map(self._strings.setdefault, names, names))
             ev.dev_corr.extend([a.correlation for a in args])
             ev.dev_info.extend(
                 [
@@ -405,13 +407,10 @@ class _Sorter:
         if hs:
             _extend_times(ev.host_ts, [e.ts for e in hs], math.ceil)
             _extend_times(ev.host_end, [e.ts + e.dur for e in hs], math.floor)
-            share = self._shared.setdefault
-            for col, values in (
-                (ev.host_name, [e.name for e in hs]),
-                (ev.host_cat, [e.cat for e in hs]),
-                (ev.host_tid, [e.tid for e in hs]),
-            ):
-                col.extend(map(share, values, values))
+            names, cats, tids = [e.name for e in hs], [e.cat for e in hs], [e.tid for e in hs]
+            ev.host_name.extend(map(self._strings.setdefault, names, names))
+            ev.host_cat.extend(map(self._strings.setdefault, cats, cats))
+            ev.host_tid.extend(map(self._threads.setdefault, tids, tids))
             ev.host_info.extend(
                 [
                     _info(a, e.cat in gpu_cats or e.name in comm)
