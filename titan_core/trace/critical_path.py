@@ -21,7 +21,7 @@ from titan_core.trace.intervals import median
 from titan_core.trace.matching import Key
 
 
-@dataclass
+@dataclass(slots=True)
 class _Op:
     rank: int
     idx: int
@@ -110,17 +110,25 @@ def replay(
                         missing[k] -= 1
                         if missing[k] == 0:
                             work.extend(waiters.pop(k, ()))
-                blocker = next((k for k in op.keys if missing[k] > 0), None)
+                blocker = None
+                for k in op.keys:
+                    if missing[k] > 0:
+                        blocker = k
+                        break
                 if blocker is not None:
                     waiters[blocker].append(r)
                     break
                 ready, who = r_arrive[j], (r, j)
+                d = None  # the transfer: the longest of its keys' shortest durations
                 for k in op.keys:
                     for m in members[k]:
                         t = arrive[m[0]][m[1]]
                         if t > ready:
                             ready, who = t, m
-                d = max((kdur[k] for k in op.keys), default=op.e - op.s)
+                    if d is None or kdur[k] > d:
+                        d = kdur[k]
+                if d is None:
+                    d = op.e - op.s
                 r_done[j] = ready + d
                 r_cause[j] = who
                 j += 1
