@@ -101,7 +101,7 @@ def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
     # correlation -> start of its launch (threads: GpuEvents.launch_threads, on demand);
     # usually each correlation has one launch, and building the dict backwards keeps the first
     ts_of = dict(zip(reversed(corr), reversed(l_ts), strict=True))
-    if len(ts_of) != len(corr):  # repeated correlations: the earliest start, the first thread
+    if len(ts_of) != len(corr):  # repeated correlations: the earliest start
         ts_of = {}
         for c, t in zip(corr, l_ts, strict=True):
             cur = ts_of.get(c)

@@ -348,8 +348,7 @@ class _Sorter:
             ops = [e for e in host if e.cat == "cpu_op" and e.name not in comm]
             _extend_times(ev.ops_ts, [e.ts for e in ops], math.ceil)
             _extend_times(ev.ops_end, [e.ts + e.dur for e in ops], math.floor)
-            tids = [e.tid for e in ops]
-            ev.ops_tid.extend(map(self._threads.setdefault, tids, tids))
+            ev.ops_tid.extend(_one_each(self._threads, [e.tid for e in ops]))
         # plain cpu ops are no launches, ranges of interest or device events
         rest = [e for e in host if e.cat != "cpu_op" or e.name in comm]
         if not ev.has_stream:
@@ -365,7 +364,7 @@ class _Sorter:
             corr, ts, tid = zip(*launch, strict=True)
             ev.launch_corr.extend(corr)
             _extend_times(ev.launch_ts, ts, math.ceil)
-            ev.launch_tid.extend(map(self._threads.setdefault, tid, tid))
+            ev.launch_tid.extend(_one_each(self._threads, tid))
         args = [e.args for e in dev]
         hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))] if dev else []
         if special:
@@ -391,8 +390,7 @@ class _Sorter:
         if dev:
             _extend_times(ev.dev_ts, [e.ts for e in dev], math.ceil)
             _extend_times(ev.dev_end, [e.ts + e.dur for e in dev], math.floor)
-            names = [e.name for e in dev]
-            ev.dev_name.extend(map(self._strings.setdefault, names, names))
+            ev.dev_name.extend(_one_each(self._strings, [e.name for e in dev]))
             ev.dev_corr.extend([a.correlation for a in args])
             ev.dev_info.extend(
                 [
@@ -407,10 +405,9 @@ class _Sorter:
         if hs:
             _extend_times(ev.host_ts, [e.ts for e in hs], math.ceil)
             _extend_times(ev.host_end, [e.ts + e.dur for e in hs], math.floor)
-            names, cats, tids = [e.name for e in hs], [e.cat for e in hs], [e.tid for e in hs]
-            ev.host_name.extend(map(self._strings.setdefault, names, names))
-            ev.host_cat.extend(map(self._strings.setdefault, cats, cats))
-            ev.host_tid.extend(map(self._threads.setdefault, tids, tids))
+            ev.host_name.extend(_one_each(self._strings, [e.name for e in hs]))
+            ev.host_cat.extend(_one_each(self._strings, [e.cat for e in hs]))
+            ev.host_tid.extend(_one_each(self._threads, [e.tid for e in hs]))
             ev.host_info.extend(
                 [
                     _info(a, e.cat in gpu_cats or e.name in comm)
@@ -420,6 +417,11 @@ class _Sorter:
 
 
 _INPUT_DIMS = b'"Input Dims"'
+
+
+def _one_each(table: dict[Any, Any], values: Sequence[Any]) -> Iterator[Any]:
+    """``values`` with each repeated value replaced by the one object ``table`` keeps."""
+    return map(table.setdefault, values, values)
 
 
 def _extend_times(col: list[int], values: Sequence[Any], rounding: Callable[[Any], int]) -> None:
