@@ -11,8 +11,8 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from itertools import compress, islice
-from operator import gt, sub
+from itertools import compress, islice, repeat
+from operator import eq, gt, le, lt, sub
 from typing import Any
 
 from titan_core.trace import intervals as iv
@@ -153,14 +153,13 @@ def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
     steps = profiler_steps(ev)
     gpu = gpu_events(ev, cfg)
 
-    kernel_time, kernel_counts = _kernel_time(gpu, steps)
+    sets, kernel_time, kernel_counts = _kernel_sets(gpu, steps)
     compute_stream = "gpu" if len(gpu) else "cpu"
     top_kernels = _top_kernels(gpu, cfg.top_kernels)
 
     comm_ops = extract_comm_ops(ev, gpu, cfg)
-    if compute_stream == "gpu":
-        sets, launch_of = _gpu_sets(gpu)
-    else:
+    launch_of: tuple[list[int], list[int | None]] | None = (gpu.ts, gpu.launch_ts)
+    if compute_stream == "cpu":
         sets, launch_of = _cpu_sets(ev, cfg, comm_ops, steps), None
     mbs = _microbatches(ev, gpu)
     step_stats = _step_stats(steps, gpu, sets, launch_of, cfg, mbs)
@@ -211,52 +210,50 @@ def _top_kernels(gpu: GpuEvents, n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _kernel_time(gpu: GpuEvents, steps: list[tuple[int, int, int]]) -> tuple[dict, dict]:
-    """Union of kernel intervals per category over the profiled steps.
+def _kernel_sets(
+    gpu: GpuEvents, steps: list[tuple[int, int, int]]
+) -> tuple[list[iv.Intervals], dict[str, int], dict[str, int]]:
+    """Per category (:data:`KINDS`): the union of its kernels' intervals, and the
+    breakdown: that union's length over the profiled steps, and the kernels counted.
 
-    As HTA counts it: with two or more profiler steps, only device events launched before
-    the last step starts (the last step is usually cut short) by a host event; otherwise all.
-    """
-    idx = range(len(gpu))
-    if len(steps) >= 2:
-        last_start = max(s[1] for s in steps)
-        lts = gpu.launch_ts
-        idx = [i for i in idx if lts[i] is not None and lts[i] < last_start]  # type: ignore[operator]
-    by_kind: dict[int, tuple[list[int], list[int]]] = {KIND_CODE[k]: ([], []) for k in KINDS}
-    ts, end, kind = gpu.ts, gpu.end, gpu.kind
-    for i in idx:
-        b = by_kind.get(kind[i])
-        if b is not None:
-            b[0].append(ts[i])
-            b[1].append(end[i])
-    out, counts = {}, {}
+    As HTA counts the breakdown: with two or more profiler steps, only device events
+    launched before the last step starts (the last step is usually cut short) by a host
+    event; otherwise all. Those are nearly always the first ones by start (then both
+    unions come from one sweep)."""
+    last_start = max(s[1] for s in steps) if len(steps) >= 2 else None
+    sets, times, counts = [], {}, {}
     for k in KINDS:
-        s, e = by_kind[KIND_CODE[k]]
-        out[k] = iv.total(iv.merge(s, e))
-        counts[k] = len(s)
-    return out, counts
-
-
-def _gpu_sets(gpu: GpuEvents) -> tuple[list[iv.Intervals], Any]:
-    by_kind: dict[int, tuple[list[int], list[int]]] = {KIND_CODE[k]: ([], []) for k in KINDS}
-    for t, e, k in zip(gpu.ts, gpu.end, gpu.kind, strict=True):
-        b = by_kind.get(k)
-        if b is not None:
-            b[0].append(t)
-            b[1].append(e)
-    sets = [iv.merge(*by_kind[KIND_CODE[k]]) for k in KINDS]
-    launch = [-1 if x is None else x for x in gpu.launch_ts]
-    return sets, (gpu.ts, launch)
+        mask = list(map(eq, gpu.kind, repeat(KIND_CODE[k])))
+        ts, end = list(compress(gpu.ts, mask)), list(compress(gpu.end, mask))
+        if last_start is None:
+            merged = iv.merge(ts, end)
+            times[k], counts[k] = iv.total(merged), len(ts)
+            sets.append(merged)
+            continue
+        launched = list(compress(gpu.launch_ts, mask))
+        if None in launched:
+            counted = [x is not None and x < last_start for x in launched]
+        else:
+            counted = list(map(lt, launched, repeat(last_start)))
+        n = counted.index(False) if False in counted else len(counted)
+        if True in counted[n:]:  # not a prefix: a union of its own
+            merged = iv.merge(ts, end)
+            times[k] = iv.total(iv.merge(list(compress(ts, counted)), list(compress(end, counted))))
+        else:
+            merged, times[k] = iv.merge_with_prefix(ts, end, n)
+        counts[k] = sum(counted)
+        sets.append(merged)
+    return sets, times, counts
 
 
 def _union(gpu: GpuEvents, sets: list[iv.Intervals]) -> iv.Intervals:
     """Union of the sets; on GPU straight from the start-sorted events (no sort)."""
     if not len(gpu):
         return iv.merge([t for s in sets for t in s[0]], [t for s in sets for t in s[1]])
-    codes = {KIND_CODE[k] for k in KINDS}
+    codes = {KIND_CODE[k] for k in KINDS[: len(sets)]}
     if codes.issuperset(gpu.kind):
         return iv.merge(gpu.ts, gpu.end)
-    keep = [k in codes for k in gpu.kind]
+    keep = list(map(codes.__contains__, gpu.kind))
     return iv.merge(list(compress(gpu.ts, keep)), list(compress(gpu.end, keep)))
 
 
@@ -342,17 +339,17 @@ def _step_windows(steps: list[tuple[int, int, int]], gpu: GpuEvents) -> list[tup
     launched in the step to the first one of the next step (the last: to its last end)."""
     if not len(gpu) or not steps:
         return steps
-    by_launch = sorted(
-        (t if lt is None else lt, t, e)
-        for lt, t, e in zip(gpu.launch_ts, gpu.ts, gpu.end, strict=True)
-    )
-    lts = [x[0] for x in by_launch]
+    ts, end, lts = gpu.ts, gpu.end, gpu.launch_ts
+    # each event's launch time (its own start without one), and the events in that order
+    keys = lts if None not in lts else [t if x is None else x for x, t in zip(lts, ts, strict=True)]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    sorted_keys = list(map(keys.__getitem__, order))
     firsts: list[tuple[int, int] | None] = []
     for _, s, e in steps:
-        i0, i1 = bisect_left(lts, s), bisect_left(lts, e)
+        i0, i1 = bisect_left(sorted_keys, s), bisect_left(sorted_keys, e)
         if i1 > i0:
-            sel = by_launch[i0:i1]
-            firsts.append((min(x[1] for x in sel), max(x[2] for x in sel)))
+            sel = order[i0:i1]  # indices into the start-sorted events: the lowest starts first
+            firsts.append((ts[min(sel)], max(map(end.__getitem__, sel))))
         else:
             firsts.append(None)
     out = []
@@ -381,49 +378,74 @@ def _step_stats(
         if not los:
             return []
         windows = [(0, int(min(x[0] for x in los)), int(max(his)))]
+    # what the steps need of the three sets (computation A, communication B, memory C)
+    # are |A|, |B|, |A u B| and |A u B u C|: A n B is |A| + |B| - |A u B|, exposed comm
+    # |A u B| - |A|, exposed memory |A u B u C| - |A u B|, idle the window minus the last
     union_all = _union(gpu, sets)
+    union_cc = _union(gpu, sets[:2])
+    first_at: dict[int, int] = {}
+    if launch_of is not None:  # backwards: the first index of a repeated start wins
+        kts = launch_of[0]
+        first_at = dict(zip(reversed(kts), range(len(kts) - 1, -1, -1), strict=True))
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:
-        clipped = [iv.clip(s, lo, hi) for s in sets]
-        cov = iv.coverage(clipped)
-        comp = sum(cov[i] for i in range(len(cov)) if i & 1)
-        comm_exposed = sum(cov[i] for i in range(len(cov)) if i & 2 and not i & 1)
-        mem_exposed = cov[4] if len(cov) > 4 else 0
-        busy = sum(cov)
+        comp = iv.total(iv.clip(sets[0], lo, hi))
+        comm = iv.total(iv.clip(sets[1], lo, hi))
+        either = iv.total(iv.clip(union_cc, lo, hi))
+        active = iv.clip(union_all, lo, hi)
+        busy = iv.total(active)
         st = StepStats(
             step=n,
             start=lo,
             end=hi,
             computation=comp,
-            communication=comm_exposed,
-            memory=mem_exposed,
+            communication=either - comp,
+            memory=busy - either,
             idle=(hi - lo) - busy,
-            overlap=sum(cov[i] for i in range(len(cov)) if i & 3 == 3),
-            comm_total=iv.total(clipped[1]),
+            overlap=comp + comm - either,
+            comm_total=comm,
             microbatches=[m for m in mbs if lo <= m[3] < hi],
         )
-        gs, ge = iv.gaps(iv.clip(union_all, lo, hi), lo, hi)
+        gs, ge = iv.gaps(active, lo, hi)
         if launch_of is not None and len(gs):
-            kts, klaunch = launch_of
-            nk = len(kts)
-            host_w = kern_w = tot = 0
-            for a, b in zip(gs, ge, strict=True):
-                length = b - a
-                tot += length
-                j = bisect_left(kts, b)
-                if j < nk:
-                    if klaunch[j] > a:
-                        host_w += length
-                    elif length <= thr:
-                        kern_w += length
-            st.host_wait = host_w
-            st.kernel_wait = kern_w
-            st.other_wait = tot - host_w - kern_w
+            st.host_wait, st.kernel_wait, st.other_wait = _idle_split(
+                gs, ge, *launch_of, first_at, thr
+            )
         else:
             st.other_wait = st.idle
         out.append(st)
     return out
+
+
+def _idle_split(
+    gs: list[int],
+    ge: list[int],
+    kts: list[int],
+    klaunch: list[int | None],
+    first_at: dict[int, int],
+    thr: int,
+) -> tuple[int, int, int]:
+    """Split idle gaps [gs, ge) by what the device event ending each (the first to start
+    at or after its end) waited for: launched after the gap began, the host (host wait);
+    else, for gaps up to ``thr`` us, the previous kernel (kernel wait); else other (also
+    gaps with no event after them). ``first_at``: start -> index of the first device event
+    starting then; gaps end at one, but for the last (else found by bisection)."""
+    lens = list(map(sub, ge, gs))
+    nxt = list(map(first_at.get, ge))
+    if nxt[-1] is None:  # the last gap may end at the window's end
+        nxt[-1] = bisect_left(kts, ge[-1])
+    if None in nxt:
+        nxt = [bisect_left(kts, b) if i is None else i for i, b in zip(nxt, ge, strict=True)]
+    n = bisect_left(nxt, len(kts))  # the gaps before that end at an event's start
+    launched = list(map(klaunch.__getitem__, nxt[:n]))
+    if None in launched:  # no launch: never host wait
+        launched = [-1 if x is None else x for x in launched]
+    host = list(map(gt, launched, gs))
+    host_w = sum(compress(lens, host))
+    # kernel wait: not host wait (False < True) and short
+    kern_w = sum(compress(lens, map(lt, host, map(le, lens, repeat(thr)))))
+    return host_w, kern_w, sum(lens) - host_w - kern_w
 
 
 def _assign_steps(ops: list[CommOp], steps: list[StepStats]) -> None:

@@ -9,7 +9,7 @@ numpy off the analyzer's path.
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice
 from operator import gt, itemgetter
 
@@ -20,19 +20,39 @@ _FIRST = itemgetter(0)
 
 def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
     """Union of intervals as sorted, disjoint (start, end) lists."""
-    out_s: list[int] = []
-    out_e: list[int] = []
     if len(starts) == 0:
-        return out_s, out_e
+        return [], []
     # device events come sorted by start: then the sort (and its tuples) is skipped;
     # equal starts may come in any order
-    pairs: Iterable[tuple[int, int]]
     if any(map(gt, starts, islice(starts, 1, None))):
         pairs = sorted(zip(starts, ends, strict=True))
-        cur_s, cur_e = pairs[0]
-    else:
-        pairs = zip(starts, ends, strict=True)
-        cur_s, cur_e = starts[0], ends[0]
+        return _sweep(iter(pairs), *pairs[0], [], [], True)[:2]
+    return _sweep(zip(starts, ends, strict=True), starts[0], ends[0], [], [], True)[:2]
+
+
+def merge_with_prefix(starts: Sequence[int], ends: Sequence[int], n: int) -> tuple[Intervals, int]:
+    """:func:`merge` of intervals sorted by start, and in the same sweep the total length
+    of the union of the first ``n`` of them."""
+    if len(starts) == 0:
+        return ([], []), 0
+    pairs = zip(starts, ends, strict=True)
+    out_s: list[int] = []
+    out_e: list[int] = []
+    cur_s, cur_e = _sweep(islice(pairs, n), starts[0], ends[0], out_s, out_e, False)[2:]
+    head = sum(out_e) - sum(out_s) + max(0, cur_e - cur_s) if n else 0
+    return _sweep(pairs, cur_s, cur_e, out_s, out_e, True)[:2], head
+
+
+def _sweep(
+    pairs: Iterator[tuple[int, int]],
+    cur_s: int,
+    cur_e: int,
+    out_s: list[int],
+    out_e: list[int],
+    close: bool,
+) -> tuple[list[int], list[int], int, int]:
+    """Extend the union (``out_s``, ``out_e``) and its open interval by start-sorted
+    ``pairs``; with ``close``, the open interval is appended at the end."""
     for s, e in pairs:
         if s > cur_e:
             if cur_e > cur_s:
@@ -41,10 +61,10 @@ def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
             cur_s, cur_e = s, e
         elif e > cur_e:
             cur_e = e
-    if cur_e > cur_s:
+    if close and cur_e > cur_s:
         out_s.append(cur_s)
         out_e.append(cur_e)
-    return out_s, out_e
+    return out_s, out_e, cur_s, cur_e
 
 
 def total(iv: Intervals) -> int:
@@ -65,33 +85,6 @@ def clip(iv: Intervals, lo: int, hi: int) -> Intervals:
     if out_e[-1] > hi:
         out_e[-1] = hi
     return out_s, out_e
-
-
-def coverage(sets: list[Intervals]) -> list[int]:
-    """Time spent in each combination of the given merged interval sets.
-
-    Returns a list of length 2**len(sets); entry ``m`` is the time during which exactly
-    the sets whose bits are set in ``m`` are active (entry 0, the time covered by none, is
-    left at 0 since it has no bounded extent).
-    """
-    out = [0] * (1 << len(sets))
-    pts: list[tuple[int, int]] = []
-    for i, (s, e) in enumerate(sets):
-        bit = 1 << i
-        pts += [(t, bit) for t in s]
-        pts += [(t, -bit) for t in e]
-    if not pts:
-        return out
-    pts.sort(key=_FIRST)
-    state = 0
-    prev = pts[0][0]
-    for t, d in pts:
-        if t != prev:
-            out[state] += t - prev
-            prev = t
-        state += d
-    out[0] = 0
-    return out
 
 
 def subtract(a: Intervals, b: Intervals) -> Intervals:
