@@ -306,6 +306,10 @@ class _Sorter:
         #: its own copy (megabytes of duplicates to keep, and to hash again in the analysis)
         self._strings: dict[str, str] = {}
         self._threads: dict[Any, Any] = {}
+        #: device event names, and those of them named like host ranges of interest
+        #: (``gpu_user_annotation`` copies of ``ProfilerStep#N``): checked once per name
+        self._dev_names: dict[str, str] = {}
+        self._dev_special: set[str] = set()
 
     def _classify(self, names: set[str]) -> None:
         new = names - self._seen
@@ -316,7 +320,7 @@ class _Sorter:
             comm = self._is_cpu_comm(n)
             if comm:
                 self._comm.add(n)
-            if comm or n.startswith(("ProfilerStep", "titan/")):
+            if comm or n.startswith(_SPECIAL):
                 self._special.add(n)
 
     def add(self, events: list[Any], piece: Any = None) -> None:
@@ -355,18 +359,19 @@ class _Sorter:
             ev.has_stream = any(e.args.stream >= 0 for e in dev) or any(
                 e.args.stream >= 0 for e in rest
             )
-        launch = [
-            (a.correlation, e.ts, e.tid)
-            for e in rest
-            if (a := e.args).correlation >= 0 and a.stream < 0
-        ]
+        launch = [e for e in rest if (a := e.args).correlation >= 0 and a.stream < 0]
         if launch:
-            corr, ts, tid = zip(*launch, strict=True)
-            ev.launch_corr.extend(corr)
-            _extend_times(ev.launch_ts, ts, math.ceil)
-            ev.launch_tid.extend(_one_each(self._threads, tid))
+            ev.launch_corr.extend([e.args.correlation for e in launch])
+            _extend_times(ev.launch_ts, [e.ts for e in launch], math.ceil)
+            ev.launch_tid.extend(_one_each(self._threads, [e.tid for e in launch]))
         args = [e.args for e in dev]
-        hs = [e for e in dev if e.name.startswith(("ProfilerStep", "titan/"))] if dev else []
+        dev_names = self._dev_names
+        known = len(dev_names)
+        names = list(_one_each(dev_names, [e.name for e in dev]))
+        if len(dev_names) > known:
+            new_names = list(dev_names)[known:]
+            self._dev_special.update(n for n in new_names if n.startswith(_SPECIAL))
+        hs = [e for e in dev if e.name in self._dev_special] if self._dev_special else []
         if special:
             hs += [e for e in rest if e.name in special]
         hs_args = [e.args for e in hs]
@@ -390,7 +395,7 @@ class _Sorter:
         if dev:
             _extend_times(ev.dev_ts, [e.ts for e in dev], math.ceil)
             _extend_times(ev.dev_end, [e.ts + e.dur for e in dev], math.floor)
-            ev.dev_name.extend(_one_each(self._strings, [e.name for e in dev]))
+            ev.dev_name.extend(names)
             ev.dev_corr.extend([a.correlation for a in args])
             ev.dev_info.extend(
                 [
@@ -417,6 +422,8 @@ class _Sorter:
 
 
 _INPUT_DIMS = b'"Input Dims"'
+#: name prefixes of the ranges the analyses look at besides comm ranges
+_SPECIAL = ("ProfilerStep", "titan/")
 
 
 def _one_each(table: dict[Any, Any], values: Sequence[Any]) -> Iterator[Any]:
