@@ -13,6 +13,7 @@ import json
 import math
 import re
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import itemgetter
@@ -62,11 +63,6 @@ class CommOp:
         return self.end - self.ts
 
 
-def _ranks(text: str | None) -> list[int] | None:
-    r = _ranks_cached(text) if text else None
-    return None if r is None else list(r)
-
-
 @lru_cache(maxsize=4096)
 def _ranks_cached(text: str) -> tuple[int, ...] | None:
     try:
@@ -78,15 +74,21 @@ def _ranks_cached(text: str) -> tuple[int, ...] | None:
         return None
 
 
-def _nbytes(row: dict[str, Any], coll: str) -> int:
-    n = row.get("out_n") if coll == "allgather" else row.get("in_n")
+# positions in a comm info sequence (:data:`COMM_FIELDS` order)
+_COLL, _IN_N, _OUT_N, _GSIZE, _DTYPE, _PG_NAME, _PG_DESC, _PG_RANKS, _SEQ, _IN_DIMS, _IN_TYPE = (
+    range(len(COMM_FIELDS))
+)
+
+
+def _nbytes(info: Sequence[Any], coll: str) -> int:
+    n = info[_OUT_N] if coll == "allgather" else info[_IN_N]
     if n is None:
-        n = row.get("in_n") or row.get("out_n")
-    dtype = row.get("dtype")
-    if n is None and row.get("in_dims"):
+        n = info[_IN_N] or info[_OUT_N]
+    dtype = info[_DTYPE]
+    if n is None and info[_IN_DIMS]:
         try:
-            dims = json.loads(row["in_dims"])
-            types = json.loads(row["in_type"]) if row.get("in_type") else []
+            dims = json.loads(info[_IN_DIMS])
+            types = json.loads(info[_IN_TYPE]) if info[_IN_TYPE] else []
             first = dims[0] if dims else []
             n = int(math.prod(first if isinstance(first, list) else [first])) if first else 0
             dtype = types[0] if types else dtype
@@ -164,7 +166,9 @@ _FILL_KEYS = (
     "in_dims",
     "in_type",
 )
-_FILL = tuple((key, COMM_FIELDS.index(key)) for key in _FILL_KEYS)
+#: what an enclosing host range fills in of a kernel's comm info (not the group description)
+_FILL = tuple(COMM_FIELDS.index(key) for key in _FILL_KEYS)
+_NO_INFO_LIST = [None] * len(COMM_FIELDS)
 
 
 def _from_kernels(
@@ -180,7 +184,7 @@ def _from_kernels(
         name = gpu.name[i]
         coll_k, algo = collective_from_kernel(name)
         own = gpu.info[i]
-        info = dict(_NO_INFO) if own is None else dict(zip(COMM_FIELDS, own, strict=True))
+        info = list(_NO_INFO_LIST if own is None else own)
         p2p: list[tuple[str, int | None]] = []
         lts = gpu.launch_ts[i]
         if tid in by_tid and lts is not None:
@@ -190,12 +194,13 @@ def _from_kernels(
             # host ranges that enclose the launch give the op's args and name
             for _, r_end, r_name, _, r_info in reversed(hrows[max(0, i1 - 8) : i1]):
                 if r_end >= lts:
-                    if r_info is not None:  # else all its comm fields are None
-                        for key, j in _FILL:
-                            if info[key] is None and r_info[j] is not None:
-                                info[key] = r_info[j]
-                    if info["coll"] is None and ":" in r_name:
-                        info["coll"] = r_name
+                    # the innermost range with a field sets it (no info: all None)
+                    if r_info is not None and None in info:
+                        for j in _FILL:
+                            if info[j] is None:
+                                info[j] = r_info[j]
+                    if info[_COLL] is None and ":" in r_name:
+                        info[_COLL] = r_name
             # P2P: the send/recv ranges issued since the previous comm launch (coalesced too)
             if coll_k in P2P or coll_k == "unknown":
                 i0 = bisect_right(hs, lo)
@@ -221,27 +226,31 @@ def _dedupe(p2p: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
     return out
 
 
-def _make_op(ts: int, end: int, info: dict[str, Any], coll_k: str, algo: str, p2p: list) -> CommOp:
-    coll = normalize_collective(info["coll"]) if info.get("coll") else coll_k
+def _make_op(ts: int, end: int, info: Sequence[Any], coll_k: str, algo: str, p2p: list) -> CommOp:
+    coll = normalize_collective(info[_COLL]) if info[_COLL] else coll_k
     if coll in ("sendrecv", "send", "recv") and not p2p:
         p2p = []
-    ranks = _ranks(info.get("pg_ranks"))
-    pg = (
-        str(ranks)
-        if ranks
-        else (f"pg{info['pg_name']}" if info.get("pg_name") else f"{coll}/{info.get('gsize') or 0}")
-    )
+    ranks, pg = _group(info[_PG_RANKS])
+    if pg is None:
+        pg = f"pg{info[_PG_NAME]}" if info[_PG_NAME] else f"{coll}/{info[_GSIZE] or 0}"
     return CommOp(
         ts=int(ts),
         end=int(end),
         collective=coll,
         algo=algo,
         pg=pg,
-        pg_ranks=ranks,
-        group_size=int(info.get("gsize") or (len(ranks) if ranks else 0)),
+        pg_ranks=None if ranks is None else list(ranks),
+        group_size=int(info[_GSIZE] or (len(ranks) if ranks else 0)),
         nbytes=_nbytes(info, coll),
         p2p=p2p,
     )
+
+
+@lru_cache(maxsize=4096)
+def _group(text: str | None) -> tuple[tuple[int, ...] | None, str | None]:
+    """A group's member ranks (from the args' JSON text) and its key, when it has any."""
+    ranks = _ranks_cached(text) if text else None
+    return ranks, (str(list(ranks)) if ranks else None)
 
 
 def _from_host(host: list[dict[str, Any]], titan: list[dict[str, Any]]) -> list[CommOp]:
@@ -273,7 +282,7 @@ def _from_host(host: list[dict[str, Any]], titan: list[dict[str, Any]]) -> list[
         coll = normalize_collective(info["coll"])
         if p2p and coll not in P2P:
             coll = p2p[0][0] if len(p2p) == 1 else "sendrecv"
-        op = _make_op(top["ts"], top["end"], info, coll, "", p2p)
+        op = _make_op(top["ts"], top["end"], [info[k] for k in COMM_FIELDS], coll, "", p2p)
         k = bisect_right(mb_ts, top["ts"]) - 1
         if k >= 0 and top["ts"] < mb_end[k]:
             m = _MB_RE.search(mb_names[k])
