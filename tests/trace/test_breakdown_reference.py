@@ -145,3 +145,15 @@ def test_rank_breakdown_matches_brute_force(seed: int) -> None:
             want["kernel"],
             want["other"],
         )
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_gaps_complement_the_union(seed: int) -> None:
+    rng = random.Random(seed)
+    starts = [rng.randint(0, 200) for _ in range(rng.randint(0, 30))]
+    merged = iv.merge(starts, [s + rng.randint(0, 15) for s in starts])
+    lo, hi = sorted(rng.sample(range(-20, 240), 2))
+    gs, ge = iv.gaps(merged, lo, hi)
+    assert _points(gs, ge) == set(range(lo, hi)) - _points(*merged)
+    assert all(s < e for s, e in zip(gs, ge, strict=True))
+    assert all(e < s for e, s in zip(ge, gs[1:], strict=False))

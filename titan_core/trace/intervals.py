@@ -110,15 +110,14 @@ def subtract(a: Intervals, b: Intervals) -> Intervals:
 def gaps(iv: Intervals, lo: int, hi: int) -> Intervals:
     """The complement of merged intervals within [lo, hi)."""
     s, e = clip(iv, lo, hi)
+    # merged intervals neither overlap nor touch: only the gaps at the ends can be empty
     gs = [lo, *e]
     ge = [*s, hi]
-    out_s: list[int] = []
-    out_e: list[int] = []
-    for a, b in zip(gs, ge, strict=True):
-        if b > a:
-            out_s.append(a)
-            out_e.append(b)
-    return out_s, out_e
+    if ge[-1] <= gs[-1]:
+        del gs[-1], ge[-1]
+    if ge and ge[0] <= gs[0]:
+        del gs[0], ge[0]
+    return gs, ge
 
 
 def median(values: Sequence[float]) -> float:
