@@ -75,8 +75,8 @@ def _ranks_cached(text: str) -> tuple[int, ...] | None:
 
 
 # positions in a comm info sequence (:data:`COMM_FIELDS` order)
-_COLL, _IN_N, _OUT_N, _GSIZE, _DTYPE, _PG_NAME, _PG_DESC, _PG_RANKS, _SEQ, _IN_DIMS, _IN_TYPE = (
-    range(len(COMM_FIELDS))
+_COLL, _IN_N, _OUT_N, _GSIZE, _DTYPE, _PG_NAME, _PG_RANKS, _IN_DIMS, _IN_TYPE = range(
+    len(COMM_FIELDS)
 )
 
 
@@ -154,21 +154,8 @@ def _row(ts: int, end: int, name: str, tid: Any, info: tuple | None) -> dict[str
 _NO_INFO = dict.fromkeys(COMM_FIELDS)
 _TS = itemgetter("ts")
 
-_FILL_KEYS = (
-    "coll",
-    "in_n",
-    "out_n",
-    "gsize",
-    "dtype",
-    "pg_name",
-    "pg_ranks",
-    "seq",
-    "in_dims",
-    "in_type",
-)
-#: what an enclosing host range fills in of a kernel's comm info (not the group description)
-_FILL = tuple(COMM_FIELDS.index(key) for key in _FILL_KEYS)
 _NO_INFO_LIST = [None] * len(COMM_FIELDS)
+_ALL_FIELDS = range(len(COMM_FIELDS))
 
 
 def _from_kernels(
@@ -196,7 +183,7 @@ def _from_kernels(
                 if r_end >= lts:
                     # the innermost range with a field sets it (no info: all None)
                     if r_info is not None and None in info:
-                        for j in _FILL:
+                        for j in _ALL_FIELDS:
                             if info[j] is None:
                                 info[j] = r_info[j]
                     if info[_COLL] is None and ":" in r_name:
@@ -270,7 +257,7 @@ def _from_host(host: list[dict[str, Any]], titan: list[dict[str, Any]]) -> list[
         j = i + 1
         while j < len(rows) and rows[j]["ts"] <= top["end"] and rows[j]["tid"] == top["tid"]:
             names.append(rows[j]["name"])
-            for key in _FILL_KEYS:
+            for key in COMM_FIELDS:
                 if info.get(key) is None and rows[j].get(key) is not None:
                     info[key] = rows[j][key]
             j += 1
