@@ -414,12 +414,17 @@ class _Sorter:
             ev.host_name.extend(_one_each(self._strings, [e.name for e in hs]))
             ev.host_cat.extend(_one_each(self._strings, [e.cat for e in hs]))
             ev.host_tid.extend(_one_each(self._threads, [e.tid for e in hs]))
-            ev.host_info.extend(
-                [
+            if lean:  # no input shapes: only comm metadata makes an info
+                infos = [
+                    _info(a, False) if a.collective is not None or a.pg_name is not None else None
+                    for a in hs_args
+                ]
+            else:
+                infos = [
                     _info(a, e.cat in gpu_cats or e.name in comm)
                     for e, a in zip(hs, hs_args, strict=True)
                 ]
-            )
+            ev.host_info.extend(infos)
 
 
 _INPUT_DIMS = b'"Input Dims"'
