@@ -145,3 +145,38 @@ def test_split_parse_equals_one_process(
     cut.write_bytes(gzip.compress(raw[: len(raw) * 3 // 4]))
     with pytest.raises(parse.TraceError, match="truncated|never ends"):
         parse_file(cut, parts=parts)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_runs_without_complete_events_change_nothing(
+    traces: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, parts: int
+) -> None:
+    """Long runs of memory (instant) events, which the parser skips undecoded, leave the
+    parsed columns exactly as they are without them."""
+    import titan_core.trace.parse as parse
+
+    monkeypatch.setattr(parse, "SPLIT_MIN_TEXT_BYTES", 0)
+    src = next((traces / "nccl_parser_config").glob("*.gz"))
+    raw = gzip.decompress(src.read_bytes())
+    sep = b"\n  },\n  {"
+    memory = (
+        b'\n    "ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]",'
+        b'\n    "pid": 7, "tid": 7,\n    "ts": 1000,\n    "args": {\n      "Ev Idx": 3, '
+        b'"Device Type": 1, "Bytes": 512, "Total Allocated": 1024\n    }'
+    )
+    run = sep + sep.join([memory] * 4000) + sep
+    # two runs of ~1 MB each: after the first event and in the middle of the file
+    cut = raw.index(sep, len(raw) // 2)
+    first = raw.index(sep)
+    padded = raw[:first] + run + raw[first + len(sep) : cut] + run + raw[cut + len(sep) :]
+    (tmp_path / "padded.json.gz").write_bytes(gzip.compress(padded))
+    decoded = []  # pieces handed to the sorter (in this process)
+    add = parse._Sorter.add
+    monkeypatch.setattr(parse._Sorter, "add", lambda s, *a: decoded.append(1) or add(s, *a))
+    plain = parse_file(src, parts=parts)
+    n_plain = len(decoded)
+    with_runs = parse_file(tmp_path / "padded.json.gz", parts=parts)
+    assert with_runs.events.__dict__ == plain.events.__dict__
+    assert len(with_runs.events.dev_ts) > 0
+    if parts == 1:  # the runs (~27 pieces of text) were mostly not decoded
+        assert len(decoded) - 2 * n_plain < 10
