@@ -220,16 +220,17 @@ def _make_op(ts: int, end: int, info: Sequence[Any], coll_k: str, algo: str, p2p
     ranks, pg = _group(info[_PG_RANKS])
     if pg is None:
         pg = f"pg{info[_PG_NAME]}" if info[_PG_NAME] else f"{coll}/{info[_GSIZE] or 0}"
+    # positional: keyword arguments cost a dataclass __init__ about twice the time
     return CommOp(
-        ts=int(ts),
-        end=int(end),
-        collective=coll,
-        algo=algo,
-        pg=pg,
-        pg_ranks=None if ranks is None else list(ranks),
-        group_size=int(info[_GSIZE] or (len(ranks) if ranks else 0)),
-        nbytes=_nbytes(info, coll),
-        p2p=p2p,
+        int(ts),
+        int(end),
+        coll,
+        algo,
+        pg,
+        None if ranks is None else list(ranks),
+        int(info[_GSIZE] or (len(ranks) if ranks else 0)),
+        _nbytes(info, coll),
+        p2p,
     )
 
 
