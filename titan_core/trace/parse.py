@@ -5,7 +5,8 @@ pieces of about 64 KB into one reused buffer, cut at event
 boundaries and decoded in place by msgspec straight into typed structs that name only the
 needed fields: events of other phases than "X" (flows, instants, metadata) decode to
 empty structs, and the rest of each event (most of ``args``) is skipped without becoming
-Python objects. Each piece is then sorted into a few small groups and dropped, so neither
+Python objects; a piece without a single complete event (runs of memory events) is not
+decoded at all. Each piece is then sorted into a few small groups and dropped, so neither
 the whole text nor all its events are ever alive at once:
 
 - device events (kernels, copies, sets): times, name, correlation, comm args;
@@ -16,8 +17,8 @@ the whole text nor all its events are ever alive at once:
   when a first read finds no device events and no Titan microbatch ranges).
 
 Everything else (python_function, plain cpu ops, flows, instant events, counters) is
-dropped; complete events are counted. Nothing here imports numpy or polars. Timestamps follow HTA's
-convention (start rounded up, end rounded down to whole microseconds) so interval sums
+dropped; complete events are counted. Nothing here imports numpy or polars. Timestamps
+follow HTA's convention (start rounded up, end rounded down to whole microseconds) so interval sums
 agree with it. A parse cache (msgpack, keyed by path, mtime, size and config) makes
 re-analysis of the same files cheap.
 """
