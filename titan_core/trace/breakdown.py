@@ -158,11 +158,10 @@ def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
     top_kernels = _top_kernels(gpu, cfg.top_kernels)
 
     comm_ops = extract_comm_ops(ev, gpu, cfg)
-    launch_of: tuple[list[int], list[int | None]] | None = (gpu.ts, gpu.launch_ts)
     if compute_stream == "cpu":
-        sets, launch_of = _cpu_sets(ev, cfg, comm_ops, steps), None
+        sets = _cpu_sets(ev, cfg, comm_ops, steps)
     mbs = _microbatches(ev, gpu)
-    step_stats = _step_stats(steps, gpu, sets, launch_of, cfg, mbs)
+    step_stats = _step_stats(steps, gpu, sets, cfg, mbs)
     _assign_phases(ev, step_stats)
     _assign_steps(comm_ops, step_stats)
     comp = sets[0]
@@ -367,10 +366,11 @@ def _step_stats(
     steps: list[tuple[int, int, int]],
     gpu: GpuEvents,
     sets: list[iv.Intervals],
-    launch_of: Any,
     cfg: TraceConfig,
     mbs: list[tuple[str, int, int, int, int]],
 ) -> list[StepStats]:
+    """Each step's time breakdown; idle time is split by what it waited for on GPU traces
+    (on CPU-only ones, all of it is "other")."""
     windows = _step_windows(steps, gpu)
     if not windows:  # no profiler steps: the whole trace is one step
         los = [s[0] for s in sets if len(s[0])]
@@ -383,10 +383,9 @@ def _step_stats(
     # |A u B| - |A|, exposed memory |A u B u C| - |A u B|, idle the window minus the last
     union_all = _union(gpu, sets)
     union_cc = _union(gpu, sets[:2])
-    first_at: dict[int, int] = {}
-    if launch_of is not None:  # backwards: the first index of a repeated start wins
-        kts = launch_of[0]
-        first_at = dict(zip(reversed(kts), range(len(kts) - 1, -1, -1), strict=True))
+    # start -> index of the first device event starting then (built backwards)
+    kts = gpu.ts
+    first_at = dict(zip(reversed(kts), range(len(kts) - 1, -1, -1), strict=True))
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:
@@ -408,9 +407,9 @@ def _step_stats(
             microbatches=[m for m in mbs if lo <= m[3] < hi],
         )
         gs, ge = iv.gaps(active, lo, hi)
-        if launch_of is not None and len(gs):
+        if len(gpu) and len(gs):
             st.host_wait, st.kernel_wait, st.other_wait = _idle_split(
-                gs, ge, *launch_of, first_at, thr
+                gs, ge, kts, gpu.launch_ts, first_at, thr
             )
         else:
             st.other_wait = st.idle

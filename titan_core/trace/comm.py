@@ -63,17 +63,6 @@ class CommOp:
         return self.end - self.ts
 
 
-@lru_cache(maxsize=4096)
-def _ranks_cached(text: str) -> tuple[int, ...] | None:
-    try:
-        val = json.loads(text)
-        if isinstance(val, str):
-            val = json.loads(val)
-        return tuple(int(x) for x in val) if isinstance(val, list) else None
-    except (ValueError, TypeError):
-        return None
-
-
 # positions in a comm info sequence (:data:`COMM_FIELDS` order)
 _COLL, _IN_N, _OUT_N, _GSIZE, _DTYPE, _PG_NAME, _PG_RANKS, _IN_DIMS, _IN_TYPE = range(
     len(COMM_FIELDS)
@@ -236,8 +225,17 @@ def _make_op(ts: int, end: int, info: Sequence[Any], coll_k: str, algo: str, p2p
 
 @lru_cache(maxsize=4096)
 def _group(text: str | None) -> tuple[tuple[int, ...] | None, str | None]:
-    """A group's member ranks (from the args' JSON text) and its key, when it has any."""
-    ranks = _ranks_cached(text) if text else None
+    """A group's member ranks (from the args' JSON text, possibly encoded twice) and its
+    key, when it has any."""
+    if not text:
+        return None, None
+    try:
+        val = json.loads(text)
+        if isinstance(val, str):
+            val = json.loads(val)
+        ranks = tuple(int(x) for x in val) if isinstance(val, list) else None
+    except (ValueError, TypeError):
+        ranks = None
     return ranks, (str(list(ranks)) if ranks else None)
 
 

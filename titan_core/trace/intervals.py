@@ -24,10 +24,13 @@ def merge(starts: Sequence[int], ends: Sequence[int]) -> Intervals:
         return [], []
     # device events come sorted by start: then the sort (and its tuples) is skipped;
     # equal starts may come in any order
+    out: Intervals = ([], [])
     if any(map(gt, starts, islice(starts, 1, None))):
         pairs = sorted(zip(starts, ends, strict=True))
-        return _sweep(iter(pairs), *pairs[0], [], [], True)[:2]
-    return _sweep(zip(starts, ends, strict=True), starts[0], ends[0], [], [], True)[:2]
+        last = _sweep(iter(pairs), *pairs[0], out)
+    else:
+        last = _sweep(zip(starts, ends, strict=True), starts[0], ends[0], out)
+    return _close(out, last)
 
 
 def merge_with_prefix(starts: Sequence[int], ends: Sequence[int], n: int) -> tuple[Intervals, int]:
@@ -36,23 +39,18 @@ def merge_with_prefix(starts: Sequence[int], ends: Sequence[int], n: int) -> tup
     if len(starts) == 0:
         return ([], []), 0
     pairs = zip(starts, ends, strict=True)
-    out_s: list[int] = []
-    out_e: list[int] = []
-    cur_s, cur_e = _sweep(islice(pairs, n), starts[0], ends[0], out_s, out_e, False)[2:]
-    head = sum(out_e) - sum(out_s) + max(0, cur_e - cur_s) if n else 0
-    return _sweep(pairs, cur_s, cur_e, out_s, out_e, True)[:2], head
+    out: Intervals = ([], [])
+    cur_s, cur_e = _sweep(islice(pairs, n), starts[0], ends[0], out)
+    head = total(out) + max(0, cur_e - cur_s) if n else 0
+    return _close(out, _sweep(pairs, cur_s, cur_e, out)), head
 
 
 def _sweep(
-    pairs: Iterator[tuple[int, int]],
-    cur_s: int,
-    cur_e: int,
-    out_s: list[int],
-    out_e: list[int],
-    close: bool,
-) -> tuple[list[int], list[int], int, int]:
-    """Extend the union (``out_s``, ``out_e``) and its open interval by start-sorted
-    ``pairs``; with ``close``, the open interval is appended at the end."""
+    pairs: Iterator[tuple[int, int]], cur_s: int, cur_e: int, out: Intervals
+) -> tuple[int, int]:
+    """Extend the union ``out`` by start-sorted ``pairs``, the interval still open being
+    [cur_s, cur_e); returns the one open after them."""
+    out_s, out_e = out
     for s, e in pairs:
         if s > cur_e:
             if cur_e > cur_s:
@@ -61,10 +59,15 @@ def _sweep(
             cur_s, cur_e = s, e
         elif e > cur_e:
             cur_e = e
-    if close and cur_e > cur_s:
-        out_s.append(cur_s)
-        out_e.append(cur_e)
-    return out_s, out_e, cur_s, cur_e
+    return cur_s, cur_e
+
+
+def _close(out: Intervals, last: tuple[int, int]) -> Intervals:
+    """``out`` with the last open interval appended (unless empty)."""
+    if last[1] > last[0]:
+        out[0].append(last[0])
+        out[1].append(last[1])
+    return out
 
 
 def total(iv: Intervals) -> int:

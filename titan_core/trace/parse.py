@@ -18,9 +18,9 @@ the whole text nor all its events are ever alive at once:
 
 Everything else (python_function, plain cpu ops, flows, instant events, counters) is
 dropped; complete events are counted. Nothing here imports numpy or polars. Timestamps
-follow HTA's convention (start rounded up, end rounded down to whole microseconds) so interval sums
-agree with it. A parse cache (msgpack, keyed by path, mtime, size and config) makes
-re-analysis of the same files cheap.
+follow HTA's convention (start rounded up, end rounded down to whole microseconds) so
+interval sums agree with it. A parse cache (msgpack, keyed by path, mtime, size and
+config) makes re-analysis of the same files cheap.
 """
 
 from __future__ import annotations
