@@ -14,8 +14,13 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python system-deps
+# slime's and miles' own code (unchanged wheels in ../shared/peers) for adapters/: installed
+# without their declared dependencies, which pin versions that clash with ours or need a GPU.
+PEERS := $(wildcard ../shared/peers/*.whl)
+
+$(STAMP): pyproject.toml $(PEERS) | $(BIN)/python system-deps
 	$(BIN)/pip install -q -e ".[test]"
+	$(if $(PEERS),$(BIN)/pip install -q --no-deps --force-reinstall $(PEERS))
 	@touch $(STAMP)
 
 # Debian packages Mooncake's TCP transport needs (skipped where apt is absent or not root).

@@ -3,7 +3,6 @@ sync, the reward rising on an easy task; then stop and resume at the right step.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,19 +13,6 @@ from titan_core.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """examples/math.yaml's base policy, pretrained by its own recipe (~2 minutes)."""
-    d = tmp_path_factory.mktemp("base")
-    subprocess.run(
-        [sys.executable, "-m", "titan_core.pretrain", "--config",
-         str(REPO / "examples/pretrain_math_base.yaml"), f"run.dir={d}"],
-        check=True, capture_output=True, cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="2"),  # alone on the machine, as `make demo` runs it
-    )  # fmt: skip
-    return d / "checkpoints"
 
 
 def test_default_task_accuracy_rises(tmp_path, base):

@@ -59,9 +59,16 @@ def reset_accelerator() -> None:
     _CURRENT = None
 
 
+#: values of ``SLIME_ACCELERATOR`` that name no Titan backend but ask Titan to choose: slime
+#: selects Titan's registered backend with ``titan`` (adapters/slime), ``auto`` is slime's own.
+_CHOOSE_FOR_ME = ("titan", "auto")
+
+
 def _requested_name() -> str | None:
     for var in ("TITAN_ACCELERATOR", "SLIME_ACCELERATOR"):
         value = os.environ.get(var, "").strip().lower()
+        if var == "SLIME_ACCELERATOR" and value in _CHOOSE_FOR_ME:
+            continue
         if value:
             return value
     if "musa" in _REGISTRY and (

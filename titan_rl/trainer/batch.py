@@ -15,19 +15,36 @@ class RLBatch:
     ``labels = tokens[:, 1:]``: position t scores token t+1."""
 
     tokens: torch.Tensor  # [B, L] int64
-    response_mask: torch.Tensor  # [B, L-1] float (1 on response tokens)
+    response_mask: torch.Tensor  # [B, L-1] float (1 on trained response tokens)
     rollout_logprobs: torch.Tensor  # [B, L-1] float (0 off the response)
     rewards: torch.Tensor  # [B]
+    #: per-sequence advantages [B], computed by the caller (slime/miles hand rewards already
+    #: normalized per group); None: the trainer computes them from ``rewards``.
+    advantages: torch.Tensor | None = None
+    #: [B, L-1] logprobs of the policy before this rollout's updates; None: the trainer
+    #: computes them (a caller splitting one rollout into several optimizer steps passes
+    #: those it computed once, before the first step).
+    old_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
     def rows(self, lo: int, hi: int) -> RLBatch:
+        return self.select(slice(lo, hi))
+
+    def select(self, index: slice | torch.Tensor) -> RLBatch:
+        """The rows ``index`` picks (a slice or a tensor of row indices)."""
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
         return RLBatch(
-            self.tokens[lo:hi],
-            self.response_mask[lo:hi],
-            self.rollout_logprobs[lo:hi],
-            self.rewards[lo:hi],
+            self.tokens[index],
+            self.response_mask[index],
+            self.rollout_logprobs[index],
+            self.rewards[index],
+            pick(self.advantages),
+            pick(self.old_logprobs),
         )
 
 

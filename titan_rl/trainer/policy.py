@@ -185,8 +185,11 @@ class PolicyTrainer:
         )
 
     @torch.no_grad()
-    def logprobs(self, batch: RLBatch, reference: bool = False) -> torch.Tensor | None:
-        """Per-token logprobs of this DP rank's rows (None off the last pipeline stage)."""
+    def logprobs(
+        self, batch: RLBatch, reference: bool = False, local: bool = False
+    ) -> torch.Tensor | None:
+        """Per-token logprobs of this DP rank's rows (None off the last pipeline stage);
+        ``local``: ``batch`` is already this DP rank's rows."""
         model = self.ref_model if reference else self.model
         if model is None:
             return None
@@ -198,7 +201,7 @@ class PolicyTrainer:
         for chunk in model:
             chunk.eval()
         try:
-            rows = self._local_rows(batch)
+            rows = batch if local else self._local_rows(batch)
             out = self._run(model, {"tokens": rows.tokens}, loss_fn, forward_only=True)
         finally:
             for chunk in self.model:
@@ -207,20 +210,33 @@ class PolicyTrainer:
             return None
         return torch.cat([o["logprobs"] for o in out])
 
-    def train(self, batch: RLBatch) -> dict[str, float]:
-        """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics."""
+    def train(self, batch: RLBatch, local: bool = False) -> dict[str, float]:
+        """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics.
+
+        ``local``: ``batch`` holds this DP rank's rows only (slime and miles split a rollout
+        over DP ranks themselves); sequences are then counted over the DP group, and rows
+        without a trained token (padding) are not counted.
+        """
         cfg = self.cfg
         start = time.perf_counter()
-        rows = self._local_rows(batch)
-        old = self.logprobs(batch)
-        ref = self.logprobs(batch, reference=True)
+        rows = batch if local else self._local_rows(batch)
+        old = rows.old_logprobs
+        if old is None:
+            old = self.logprobs(rows, local=True)
+        ref = self.logprobs(rows, reference=True, local=True)
         is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         metrics: dict[str, float] = {}
         if is_last:
             kl = (old - ref) if (ref is not None and cfg.algo.use_kl_in_reward) else None
-            adv = compute_advantages(
-                rows.rewards, cfg.rollout.n_samples_per_prompt, rows.response_mask, cfg.algo, kl=kl
-            )
+            if rows.advantages is None:
+                adv = compute_advantages(
+                    rows.rewards, cfg.rollout.n_samples_per_prompt, rows.response_mask,
+                    cfg.algo, kl=kl,
+                )  # fmt: skip
+            elif rows.advantages.dim() == 1:  # one advantage per sequence, on every token
+                adv = rows.advantages.float().unsqueeze(1) * rows.response_mask
+            else:
+                adv = rows.advantages.float() * rows.response_mask
             mask = rows.response_mask
             metrics["train/rollout_logprob_abs_diff"] = float(
                 ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
@@ -238,7 +254,10 @@ class PolicyTrainer:
         if ref is not None:
             fields["ref"] = ref
         total_tokens = self._global_sum(rows.response_mask.sum())
-        total_seqs = float(len(batch))
+        if local:
+            total_seqs = self._global_sum((rows.response_mask.sum(1) > 0).sum())
+        else:
+            total_seqs = float(len(batch))
         scale = self.dp  # DDP averages gradients over data-parallel ranks: undo it
 
         def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202

@@ -1,0 +1,125 @@
+"""``TitanTrainActor``: slime's ``TrainRayActor`` trained by Titan's Megatron base.
+
+slime puts a custom actor class in through ``create_training_models(args, pgs,
+rollout_manager, actor_cls=TitanTrainActor)`` (``python -m adapters.slime.train`` does);
+its ``RayTrainGroup`` makes the class a Ray actor per trainer rank and calls the contract
+below. Everything device-specific goes through slime's accelerator registry, where
+``adapters.slime.register()`` put Titan's (``SLIME_ACCELERATOR=titan``).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from adapters.peers import import_peer
+from adapters.slime.accelerator import register
+
+_train_actor = import_peer("slime.ray.train_actor")
+
+log = logging.getLogger(__name__)
+
+
+class TitanTrainActor(_train_actor.TrainRayActor):
+    """One trainer rank: slime's process-group set-up, then Titan's policy trainer
+    (``titan_rl.trainer.PolicyTrainer``, the one ``python -m titan_rl.grpo`` trains with)."""
+
+    def __init__(self, world_size: int, rank: int, master_addr: str | None, master_port: Any):
+        register()  # this Ray worker's slime registry answers with Titan's accelerator
+        super().__init__(world_size, rank, master_addr, master_port)
+        # slime's logger set-up puts the root logger at INFO: keep one line per HTTP call
+        # of the weight sync out of the job's output, as slime does for its rollout side
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+        self.backend: Any = None
+        self.rollout_manager: Any = None
+        self.metrics: dict[str, float] = {}
+
+    # ---- slime's contract ---------------------------------------------------------------------
+    def init(self, args: Any, role: str, with_ref: bool = False, with_opd_teacher: bool = False):
+        """Process group (slime's base class, the accelerator's backend), then the trainer;
+        returns the first rollout id (after the last checkpoint in ``--save``, else 0)."""
+        if role != "actor":
+            raise ValueError(
+                f"TitanTrainActor trains the policy (role 'actor'), not {role!r}: a critic "
+                "(--use-critic, PPO) is not supported by the Titan backend"
+            )
+        if with_opd_teacher:
+            raise ValueError("on-policy distillation (--use-opd) is not supported by Titan")
+        super().init(args, role, with_ref=with_ref, with_opd_teacher=with_opd_teacher)
+        from adapters.common.backend import TitanBackend
+
+        self.backend = TitanBackend(args, world_size=self._world_size)
+        if getattr(args, "titan_export_hf_checkpoint", False):
+            # the driver's engines start from the policy itself (no --hf-checkpoint given)
+            self.backend.save_hf(args.hf_checkpoint)
+        if with_ref and not self.backend.cfg.algo.use_kl_loss:
+            log.warning("slime asked for a reference model; Titan builds one with --use-kl-loss")
+        self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
+        return self.backend.resume()
+
+    @property
+    def train_parallel_config(self) -> dict[str, int]:
+        cfg = self._get_parallel_config()
+        keys = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
+        return {k: cfg[k] for k in keys}
+
+    def _get_parallel_config(self) -> dict[str, int]:
+        return self.backend.parallel_config()
+
+    def train(self, rollout_id: int, rollout_data_ref: Any, external_data: Any = None):
+        """This DP rank's share of the rollout (slime's ``process_rollout_data``), one
+        optimizer step per step of slime's schedule; returns the metrics."""
+        data_mod = import_peer("slime.utils.data")
+        par = self._get_parallel_config()
+        data = data_mod.process_rollout_data(
+            self.args, rollout_data_ref, par["dp_rank"], par["dp_size"]
+        )
+        self.metrics = {"rollout_id": float(rollout_id), **self.backend.train(data)}
+        return self.metrics
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        self.backend.save(rollout_id)
+
+    def update_weights(self) -> dict[str, float]:
+        """The new weights to the rollout engines, as slime's ``--update-weight-transport``
+        says: ``disk`` writes HF safetensors to ``update_weight_disk_dir/weight_vNNNNNN``
+        (slime's group then reloads the engines); otherwise Titan's ``sync.transport``
+        (tensor / distributed / disk / mooncake) pushes them to every engine."""
+        args = self.args
+        if getattr(args, "debug_train_only", False):
+            return {}
+        self.weight_version += 1
+        if (
+            getattr(args, "update_weight_transport", None) == "disk"
+            and getattr(args, "update_weight_mode", "full") == "full"
+        ):
+            out = Path(args.update_weight_disk_dir) / f"weight_v{self.weight_version:06d}"
+            self.backend.save_hf(out)
+            return {}
+        if self.rollout_manager is None:
+            raise RuntimeError("update_weights() before set_rollout_manager(): no engines known")
+        import ray
+
+        from adapters.common.backend import engine_urls
+
+        engines, *_ = ray.get(self.rollout_manager.get_updatable_engines_and_lock.remote())
+        if not engines:
+            return {}
+        return self.backend.update_engines(engine_urls(list(engines)), self.weight_version)
+
+    def sleep(self, tags: Any = None) -> None:
+        """Colocated offload: Titan keeps parameters and optimizer state in place and only
+        returns the allocator's cached memory (a no-op on CPU)."""
+        self.backend.trainer.accel.empty_cache()
+
+    def wake_up(self, tags: Any = None) -> None:
+        return None
+
+    def export_hf(self, path: str) -> None:
+        """An HF directory of the current policy (rank 0 writes)."""
+        self.backend.save_hf(path)
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()

@@ -1,0 +1,192 @@
+"""``python -m adapters.slime.train <slime arguments>``: slime's RL loop, trained by Titan.
+
+The loop is slime's ``train.py``: slime's ``create_placement_groups`` and
+``create_training_models(..., actor_cls=TitanTrainActor)`` (its ``RayTrainGroup`` runs the
+trainer ranks), a rollout manager producing slime's train data, ``update_weights`` first,
+then per rollout: generate -> train -> save -> update weights -> evaluate. Two slime modules
+are replaced, because both import ``sglang`` (no CPU build) at the top:
+``slime.utils.arguments`` by ``adapters.slime.arguments`` (slime's flag names and defaults)
+and ``slime.ray.rollout.RolloutManager`` by ``adapters.slime.rollout.TitanRolloutManager``
+(the same methods, Titan's engines). Everything else that runs is slime's own code.
+
+Example (CPU, the demo's arithmetic task; ``make demo``'s base is pretrained if missing)::
+
+    python -m adapters.slime.train --titan-config examples/math.yaml \\
+        --num-rollout 60 --rollout-batch-size 32 --n-samples-per-prompt 8 \\
+        --rollout-max-response-len 6 --rollout-stop-token-ids 10 256 \\
+        --custom-rm-path adapters.slime.rewards.exact_match --eval-interval 20 \\
+        --eval-temperature 0
+
+One status line per rollout; ``<run dir>/metrics.jsonl`` and ``reward.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from titan_core.config import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _prepare(args: Any) -> Any:
+    """The Titan config, with what slime's args leave to it filled in on ``args``."""
+    from adapters.common.config import CONFIG_ENV, titan_config_from_args
+
+    if args.titan_config:
+        os.environ[CONFIG_ENV] = str(Path(args.titan_config).resolve())
+        args.titan_config = os.environ[CONFIG_ENV]
+    cfg = titan_config_from_args(args)
+    if args.micro_batch_size is None:  # slime's DP schedule packs micro-batches of this size
+        args.micro_batch_size = cfg.train.micro_batch_size
+    if args.rollout_max_response_len is None:
+        args.rollout_max_response_len = cfg.rollout.max_response_len
+    if args.rollout_stop_token_ids is None and cfg.data.type == "arithmetic":
+        from titan_core.data.tokenizer import build_tokenizer
+
+        # the arithmetic task's answers end at a newline or the end of text, as in titan_rl
+        eod = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model).eod
+        args.rollout_stop_token_ids = [10, eod]
+    return cfg
+
+
+def _ray_init(args: Any) -> None:
+    """A local Ray; on a CPU machine with the logical GPUs slime's placement groups ask for
+    (one per trainer rank and engine device: they are bundles, not devices)."""
+    import ray
+
+    from titan_core.accelerator import get_accelerator
+
+    if ray.is_initialized():
+        return
+    actor = args.actor_num_nodes * args.actor_num_gpus_per_node
+    need = max(actor, args.rollout_num_gpus) if args.colocate else actor + args.rollout_num_gpus
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if get_accelerator().device_type == "cpu":
+        kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
+    ray.init(**kwargs)
+
+
+def _status(rec: dict[str, Any], total: int) -> str:
+    parts = [f"rollout {rec['step']:>4}/{total}"]
+    for key, fmt in (
+        ("reward/mean", "reward {:.3f}"),
+        ("rollout/accuracy", "rollout acc {:.3f}"),
+        ("response/length_mean", "len {:.1f}"),
+        ("eval/accuracy", "eval acc {:.3f}"),
+        ("train/pg_loss", "pg loss {:.4f}"),
+    ):
+        if key in rec:
+            parts.append(fmt.format(rec[key]))
+    parts.append(
+        f"time {rec['time/step']:.2f}s (rollout {rec['time/rollout']:.2f} / train "
+        f"{rec['time/train']:.2f} / sync {rec['time/sync']:.2f})"
+    )
+    return " | ".join(parts)
+
+
+def train(args: Any) -> int:
+    import ray
+
+    from adapters.peers import import_peer
+    from adapters.slime.accelerator import register
+    from adapters.slime.actor import TitanTrainActor
+    from adapters.slime.rollout import TitanRolloutManager
+    from titan_core.training.metrics import MetricsWriter, read_metrics
+    from titan_rl.grpo import ensure_base_checkpoint
+    from titan_rl.plot import plot_rewards
+
+    placement = import_peer("slime.ray.placement_group")
+    cfg = _prepare(args)
+    run_dir = Path(args.metrics_dir or cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if args.load is None:
+        ensure_base_checkpoint(cfg)  # the demo's base: pretrained on the same base if missing
+    os.environ.setdefault("SLIME_ACCELERATOR", "titan")
+    register()
+    _ray_init(args)
+    if args.hf_checkpoint is None:  # the engines start from the policy itself, exported
+        args.hf_checkpoint = str((run_dir / "hf_start").resolve())
+        args.titan_export_hf_checkpoint = True
+    pgs = placement.create_placement_groups(args)
+    manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
+    writer = None
+    try:
+        actor_model, _ = placement.create_training_models(
+            args, pgs, manager, actor_cls=TitanTrainActor
+        )
+        ray.get(manager.start_engines.remote(args.hf_checkpoint))
+        actor_model.update_weights()  # slime's first step: the engines serve the policy
+        start = args.start_rollout_id
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        if start == 0 and args.eval_interval is not None:
+            ev = ray.get(manager.eval.remote(0))
+            writer.write({"step": 0, **ev})
+            print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
+        last = time.perf_counter()
+        for rollout_id in range(start, args.num_rollout):
+            t0 = time.perf_counter()
+            refs = ray.get(manager.generate.remote(rollout_id))
+            rollout_metrics = ray.get(manager.get_metrics.remote())
+            if args.colocate:
+                ray.get(manager.offload.remote())
+            t1 = time.perf_counter()
+            train_metrics = ray.get(actor_model.async_train(rollout_id, refs))[0] or {}
+            t2 = time.perf_counter()
+            if args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                actor_model.save_model(rollout_id)
+                ray.get(manager.save.remote(rollout_id))
+            if args.colocate:
+                ray.get(manager.onload_weights.remote())
+            t3 = time.perf_counter()
+            synced = actor_model.update_weights()
+            if args.colocate:
+                ray.get(manager.onload_kv.remote())
+            t4 = time.perf_counter()
+            rec: dict[str, Any] = {"step": rollout_id + 1, **rollout_metrics, **train_metrics}
+            if isinstance(synced, list) and synced and isinstance(synced[0], dict):
+                rec.update(synced[0])
+            if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+                rec.update(ray.get(manager.eval.remote(rollout_id)))
+            t5 = time.perf_counter()
+            rec.update({
+                "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t4 - t3,
+                "time/eval": t5 - t4, "time/step": t5 - last,
+            })  # fmt: skip
+            last = t5
+            writer.write(rec)
+            print(_status(rec, args.num_rollout), flush=True)
+        if args.num_rollout > start:
+            actor_model.save_model(args.num_rollout - 1)
+            ray.get(manager.save.remote(args.num_rollout - 1))
+        writer.close()
+        writer = None
+        plot_rewards(read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png")
+        print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}")
+    finally:
+        if writer is not None:
+            writer.close()
+        ray.get(manager.dispose.remote())
+        ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from adapters.peers import PeerImportError
+    from adapters.slime.arguments import parse_args
+    from titan_rl.data import DatasetError
+
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except (ConfigError, PeerImportError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
