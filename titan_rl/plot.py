@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 
-def plot_rewards(records: list[dict[str, Any]], out: str | Path) -> None:
+def plot_rewards(records: list[dict[str, Any]], out: str | Path, title: str = "GRPO") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +24,7 @@ def plot_rewards(records: list[dict[str, Any]], out: str | Path) -> None:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    ax.set_title("GRPO")
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)

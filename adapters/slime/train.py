@@ -165,7 +165,10 @@ def train(args: Any) -> int:
             ray.get(manager.save.remote(args.num_rollout - 1))
         writer.close()
         writer = None
-        plot_rewards(read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png")
+        plot_rewards(
+            read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png",
+            title="GRPO: slime's loop, Titan's trainer",
+        )  # fmt: skip
         print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}")
     finally:
         if writer is not None:
