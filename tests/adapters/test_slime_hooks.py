@@ -28,31 +28,16 @@ WEIGHT_VERSION = "v7"
 
 
 def _make_model_dir(path: Path) -> Path:
-    """A random tiny llama (as tests/rollout/conftest.py makes) plus a word-level tokenizer
-    whose token i is the word ``w{i}`` (0-2 special)."""
-    import torch
+    """The tiny random llama of tests/rollout/conftest.py plus a word-level tokenizer whose
+    token i is the word ``w{i}`` (0-2 special)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            eos_token_id=2,
-            bos_token_id=1,
-            pad_token_id=0,
-            tie_word_embeddings=False,
-        )
-    )
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(path)
+    from tests.rollout.conftest import VOCAB as MODEL_VOCAB
+    from tests.rollout.conftest import make_tiny_model
+
+    assert MODEL_VOCAB == VOCAB
+    make_tiny_model(path, "llama")
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
