@@ -8,6 +8,7 @@ exists (``titan_core.parallel.initialize`` then only adds megatron's groups).
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -18,21 +19,41 @@ from adapters.common.config import titan_config_from_args
 from adapters.common.rollout_data import step_batches
 from titan_rl.config import GRPOConfig
 
+log = logging.getLogger(__name__)
+
 
 def engine_urls(engines: list[Any]) -> list[str]:
-    """Base URLs of rollout engines given as URLs or as engine actors with ``get_url``
-    (slime's and miles' ``SGLangEngine``; ``adapters.common.engines.EngineHandle``)."""
+    """Base URLs of rollout engines given as URLs or as engine actors: those with
+    ``get_url`` (slime's ``SGLangEngine``, ``adapters.common.engines.EngineHandle``) through
+    it, miles' ``SGLangEngine`` through the ``url`` of its ``get_topology_info()``."""
     import ray
 
-    pending = {i: e.get_url.remote() for i, e in enumerate(engines) if not isinstance(e, str)}
-    got = dict(zip(pending, ray.get(list(pending.values())), strict=True)) if pending else {}
-    return [e if isinstance(e, str) else got[i] for i, e in enumerate(engines)]
+    refs = {}
+    for i, e in enumerate(engines):
+        if not isinstance(e, str):
+            refs[i] = e.get_url.remote() if hasattr(e, "get_url") else e.get_topology_info.remote()
+    got = dict(zip(refs, ray.get(list(refs.values())), strict=True)) if refs else {}
+    return [
+        e if isinstance(e, str) else got[i] if isinstance(got[i], str) else got[i]["url"]
+        for i, e in enumerate(engines)
+    ]
+
+
+def refuse_unsupported(framework: str, role: str, with_opd_teacher: bool) -> None:
+    """A trainer role or mode the Titan backend does not run: an error before any set-up."""
+    if role != "actor":
+        raise ValueError(
+            f"Titan's {framework} train actor trains the policy (role 'actor'), not {role!r}: "
+            "a critic (--use-critic, PPO) is not supported by the Titan backend"
+        )
+    if with_opd_teacher:
+        raise ValueError("on-policy distillation (--use-opd) is not supported by Titan")
 
 
 class TitanBackend:
     """Titan's policy trainer and weight sync for one rank of a slime / miles job."""
 
-    def __init__(self, args: Any, world_size: int) -> None:
+    def __init__(self, args: Any, world_size: int, with_ref: bool = False) -> None:
         from titan_core.checkpoint.dist import unwrap
         from titan_rl.trainer.policy import PolicyTrainer
 
@@ -42,6 +63,13 @@ class TitanBackend:
         if getattr(args, "save", None):
             self.trainer.save_dir = Path(args.save)
         self.chunks = [unwrap(c) for c in self.trainer.model]
+        if with_ref and self.trainer.ref_model is None:
+            log.warning(
+                "the framework asked for a reference model; Titan builds one with --use-kl-loss"
+            )
+        if getattr(args, "titan_export_hf_checkpoint", False):
+            # the driver's engines start from the policy itself (no --hf-checkpoint given)
+            self.save_hf(args.hf_checkpoint)
         self._sync: Any = None
         self._sync_urls: list[str] = []
 
@@ -60,6 +88,12 @@ class TitanBackend:
             "vpp_size": p.virtual_pipeline_model_parallel_size or 1,
             "microbatch_group_size_per_vp_stage": p.pipeline_model_parallel_size,
         }
+
+    def train_parallel_config(self) -> dict[str, int]:
+        """What the framework's rollout manager splits data by (``build_dp_schedule``)."""
+        cfg = self.parallel_config()
+        keys = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
+        return {k: cfg[k] for k in keys}
 
     # ---- training -----------------------------------------------------------------------------
     def train(self, rollout_data: dict[str, Any]) -> dict[str, float]:

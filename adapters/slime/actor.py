@@ -13,12 +13,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from adapters.common.backend import TitanBackend, engine_urls, refuse_unsupported
 from adapters.peers import import_peer
 from adapters.slime.accelerator import register
 
 _train_actor = import_peer("slime.ray.train_actor")
-
-log = logging.getLogger(__name__)
 
 
 class TitanTrainActor(_train_actor.TrainRayActor):
@@ -39,30 +38,16 @@ class TitanTrainActor(_train_actor.TrainRayActor):
     def init(self, args: Any, role: str, with_ref: bool = False, with_opd_teacher: bool = False):
         """Process group (slime's base class, the accelerator's backend), then the trainer;
         returns the first rollout id (after the last checkpoint in ``--save``, else 0)."""
-        if role != "actor":
-            raise ValueError(
-                f"TitanTrainActor trains the policy (role 'actor'), not {role!r}: a critic "
-                "(--use-critic, PPO) is not supported by the Titan backend"
-            )
-        if with_opd_teacher:
-            raise ValueError("on-policy distillation (--use-opd) is not supported by Titan")
+        refuse_unsupported("slime", role, with_opd_teacher)
         super().init(args, role, with_ref=with_ref, with_opd_teacher=with_opd_teacher)
-        from adapters.common.backend import TitanBackend
-
-        self.backend = TitanBackend(args, world_size=self._world_size)
-        if getattr(args, "titan_export_hf_checkpoint", False):
-            # the driver's engines start from the policy itself (no --hf-checkpoint given)
-            self.backend.save_hf(args.hf_checkpoint)
-        if with_ref and not self.backend.cfg.algo.use_kl_loss:
-            log.warning("slime asked for a reference model; Titan builds one with --use-kl-loss")
+        self.backend = TitanBackend(args, world_size=self._world_size, with_ref=with_ref)
         self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
         return self.backend.resume()
 
     @property
     def train_parallel_config(self) -> dict[str, int]:
-        cfg = self._get_parallel_config()
-        keys = ("dp_size", "cp_size", "vpp_size", "microbatch_group_size_per_vp_stage")
-        return {k: cfg[k] for k in keys}
+        """What the rollout manager splits the data by (``build_dp_schedule``)."""
+        return self.backend.train_parallel_config()
 
     def _get_parallel_config(self) -> dict[str, int]:
         return self.backend.parallel_config()
@@ -100,8 +85,6 @@ class TitanTrainActor(_train_actor.TrainRayActor):
         if self.rollout_manager is None:
             raise RuntimeError("update_weights() before set_rollout_manager(): no engines known")
         import ray
-
-        from adapters.common.backend import engine_urls
 
         engines, *_ = ray.get(self.rollout_manager.get_updatable_engines_and_lock.remote())
         if not engines:

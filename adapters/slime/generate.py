@@ -25,79 +25,12 @@ worker).
 
 from __future__ import annotations
 
-import asyncio
-import functools
-import threading
-import weakref
 from typing import Any
 
-from titan_rl.rollout.client import GenerateOutput, SGLangClient, SGLangError
+from adapters.common.clients import aclose_clients, engine_url, get_client, run_tokenizer
+from titan_rl.rollout.client import GenerateOutput, SGLangError
 
 __all__ = ["aclose_clients", "engine_url", "generate", "get_client"]
-
-#: per-loop connection cap; slime's own semaphore (sglang_server_concurrency x engines)
-#: bounds the requests in flight, so this only has to stay above it.
-MAX_CONCURRENCY = 4096
-
-_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, SGLangClient]] = (
-    weakref.WeakKeyDictionary()
-)
-_clients_lock = threading.Lock()
-
-
-def engine_url(args: Any) -> str:
-    """The router (or engine) URL slime's default generate posts to."""
-    return f"http://{args.sglang_router_ip}:{args.sglang_router_port}"
-
-
-def get_client(url: str) -> SGLangClient:
-    """The :class:`SGLangClient` of ``url`` for the running event loop (one per loop and URL)."""
-    loop = asyncio.get_running_loop()
-    with _clients_lock:
-        per_loop = _clients.setdefault(loop, {})
-        client = per_loop.get(url)
-        if client is None:
-            client = per_loop[url] = SGLangClient(url, max_concurrency=MAX_CONCURRENCY)
-    return client
-
-
-async def aclose_clients() -> None:
-    """Close the running loop's clients (call before the loop ends to release connections)."""
-    loop = asyncio.get_running_loop()
-    with _clients_lock:
-        per_loop = _clients.pop(loop, {})
-    for client in per_loop.values():
-        await client.aclose()
-
-
-@functools.lru_cache(maxsize=8)
-def _tokenizer(kind: str, path: str | None) -> Any:
-    from titan_core.data.tokenizer import build_tokenizer
-
-    return build_tokenizer(kind, path)
-
-
-@functools.lru_cache(maxsize=8)
-def _config_tokenizer(path: str) -> Any:
-    from titan_core.config import load_config
-    from titan_rl.config import GRPOConfig
-
-    data = load_config(GRPOConfig, path).data
-    return _tokenizer(data.tokenizer_type, data.tokenizer_model)
-
-
-def _hf_tokenizer(args: Any, why: str) -> Any:
-    """The Titan run's tokenizer (``data.tokenizer_*`` of the Titan YAML, when the run has
-    one: ``--titan-config`` / ``TITAN_CONFIG``), else the HF tokenizer of ``hf_checkpoint``."""
-    from adapters.common.config import config_path
-
-    titan_yaml = config_path(args)
-    if titan_yaml is not None:
-        return _config_tokenizer(titan_yaml)
-    path = getattr(args, "hf_checkpoint", None)
-    if not path:
-        raise ValueError(f"args.hf_checkpoint is not set, but a tokenizer is needed to {why}")
-    return _tokenizer("hf", str(path))
 
 
 def _prompt_ids(args: Any, sample: Any) -> list[int]:
@@ -108,7 +41,7 @@ def _prompt_ids(args: Any, sample: Any) -> list[int]:
             "adapters.slime.generate needs a text prompt (apply the chat template in the data "
             f"pipeline) or sample.tokens; got prompt of type {type(sample.prompt).__name__}"
         )
-    return list(_hf_tokenizer(args, "tokenize the prompt").encode(sample.prompt))
+    return list(run_tokenizer(args, "tokenize the prompt").encode(sample.prompt))
 
 
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
@@ -154,7 +87,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     text = out.text
     if text is None:
         text = (
-            _hf_tokenizer(args, "decode the response").decode(out.output_ids)
+            run_tokenizer(args, "decode the response").decode(out.output_ids)
             if out.output_ids
             else ""
         )

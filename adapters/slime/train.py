@@ -22,71 +22,19 @@ One status line per rollout; ``<run dir>/metrics.jsonl`` and ``reward.png``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from adapters.common.driver import (
+    EXIT_CONFIG_ERROR,
+    finish_run,
+    prepare,
+    ray_init,
+    start_policy,
+    status_line,
+)
 from titan_core.config import ConfigError
-
-EXIT_CONFIG_ERROR = 2
-
-
-def _prepare(args: Any) -> Any:
-    """The Titan config, with what slime's args leave to it filled in on ``args``."""
-    from adapters.common.config import CONFIG_ENV, titan_config_from_args
-
-    if args.titan_config:
-        os.environ[CONFIG_ENV] = str(Path(args.titan_config).resolve())
-        args.titan_config = os.environ[CONFIG_ENV]
-    cfg = titan_config_from_args(args)
-    if args.micro_batch_size is None:  # slime's DP schedule packs micro-batches of this size
-        args.micro_batch_size = cfg.train.micro_batch_size
-    if args.rollout_max_response_len is None:
-        args.rollout_max_response_len = cfg.rollout.max_response_len
-    if args.rollout_stop_token_ids is None and cfg.data.type == "arithmetic":
-        from titan_core.data.tokenizer import build_tokenizer
-
-        # the arithmetic task's answers end at a newline or the end of text, as in titan_rl
-        eod = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model).eod
-        args.rollout_stop_token_ids = [10, eod]
-    return cfg
-
-
-def _ray_init(args: Any) -> None:
-    """A local Ray; on a CPU machine with the logical GPUs slime's placement groups ask for
-    (one per trainer rank and engine device: they are bundles, not devices)."""
-    import ray
-
-    from titan_core.accelerator import get_accelerator
-
-    if ray.is_initialized():
-        return
-    actor = args.actor_num_nodes * args.actor_num_gpus_per_node
-    need = max(actor, args.rollout_num_gpus) if args.colocate else actor + args.rollout_num_gpus
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
-    if get_accelerator().device_type == "cpu":
-        kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
-    ray.init(**kwargs)
-
-
-def _status(rec: dict[str, Any], total: int) -> str:
-    parts = [f"rollout {rec['step']:>4}/{total}"]
-    for key, fmt in (
-        ("reward/mean", "reward {:.3f}"),
-        ("rollout/accuracy", "rollout acc {:.3f}"),
-        ("response/length_mean", "len {:.1f}"),
-        ("eval/accuracy", "eval acc {:.3f}"),
-        ("train/pg_loss", "pg loss {:.4f}"),
-    ):
-        if key in rec:
-            parts.append(fmt.format(rec[key]))
-    parts.append(
-        f"time {rec['time/step']:.2f}s (rollout {rec['time/rollout']:.2f} / train "
-        f"{rec['time/train']:.2f} / sync {rec['time/sync']:.2f})"
-    )
-    return " | ".join(parts)
 
 
 def train(args: Any) -> int:
@@ -96,22 +44,12 @@ def train(args: Any) -> int:
     from adapters.slime.accelerator import register
     from adapters.slime.actor import TitanTrainActor
     from adapters.slime.rollout import TitanRolloutManager
-    from titan_core.training.metrics import MetricsWriter, read_metrics
-    from titan_rl.grpo import ensure_base_checkpoint
-    from titan_rl.plot import plot_rewards
+    from titan_core.training.metrics import MetricsWriter
 
     placement = import_peer("slime.ray.placement_group")
-    cfg = _prepare(args)
-    run_dir = Path(args.metrics_dir or cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if args.load is None:
-        ensure_base_checkpoint(cfg)  # the demo's base: pretrained on the same base if missing
-    os.environ.setdefault("SLIME_ACCELERATOR", "titan")
+    run_dir = start_policy(args, prepare(args))
     register()
-    _ray_init(args)
-    if args.hf_checkpoint is None:  # the engines start from the policy itself, exported
-        args.hf_checkpoint = str((run_dir / "hf_start").resolve())
-        args.titan_export_hf_checkpoint = True
+    ray_init(args)
     pgs = placement.create_placement_groups(args)
     manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
     writer = None
@@ -159,17 +97,13 @@ def train(args: Any) -> int:
             })  # fmt: skip
             last = t5
             writer.write(rec)
-            print(_status(rec, args.num_rollout), flush=True)
+            print(status_line(rec, args.num_rollout), flush=True)
         if args.num_rollout > start:
             actor_model.save_model(args.num_rollout - 1)
             ray.get(manager.save.remote(args.num_rollout - 1))
         writer.close()
         writer = None
-        plot_rewards(
-            read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png",
-            title="GRPO: slime's loop, Titan's trainer",
-        )  # fmt: skip
-        print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}")
+        finish_run(run_dir, "GRPO: slime's loop, Titan's trainer")
     finally:
         if writer is not None:
             writer.close()

@@ -4,49 +4,33 @@ built-in engine at the new weight_version with logprob parity; DP=2 split as sli
 
 from __future__ import annotations
 
-import asyncio
-import os
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("slime.ray.train_actor", reason="slime's wheel (../shared/peers) is needed")
 
+from tests.adapters.engine_probe import engine_logprob, weight_version  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def _engine_logprob(url: str, prompt: list[int], response: list[int]) -> float:
-    from titan_rl.rollout.client import SGLangClient
-
-    async def go() -> float:
-        async with SGLangClient(url) as c:
-            out = await c.generate_raw({
-                "input_ids": prompt + response, "return_logprob": True,
-                "logprob_start_len": len(prompt) - 1,
-                "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
-            })  # fmt: skip
-        got = out[0] if isinstance(out, list) else out
-        lps = [x[0] for x in got["meta_info"]["input_token_logprobs"] if x[0] is not None]
-        return float(sum(lps[-len(response) :]))
-
-    return asyncio.run(go())
-
-
 @pytest.fixture
-def slime_job(tmp_path, base):
+def slime_job(tmp_path, base, monkeypatch):
     """slime's placement groups, a TitanRolloutManager with one built-in engine and the
     trainer group from slime's create_training_models, two trainer ranks (DP=2)."""
     import ray
     from slime.ray.placement_group import create_placement_groups, create_training_models
 
+    from adapters.common.driver import prepare, ray_init
     from adapters.slime import register
     from adapters.slime.actor import TitanTrainActor
     from adapters.slime.arguments import parse_args
     from adapters.slime.rollout import TitanRolloutManager
-    from adapters.slime.train import _prepare, _ray_init
 
-    os.environ["SLIME_ACCELERATOR"] = "titan"
+    monkeypatch.setenv("SLIME_ACCELERATOR", "titan")
+    monkeypatch.setenv("TITAN_CONFIG", str(REPO / "examples/math.yaml"))  # as the driver sets
     args = parse_args([
         "--titan-config", str(REPO / "examples/math.yaml"), "--load", str(base),
         "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1",
@@ -56,10 +40,10 @@ def slime_job(tmp_path, base):
         "--custom-rm-path", "adapters.slime.rewards.exact_match",
         "--titan-override", "sync.check_every=1", "ppo_steps=1",
     ])  # fmt: skip
-    _prepare(args)
+    prepare(args)
     args.titan_export_hf_checkpoint = True
     register()
-    _ray_init(args)
+    ray_init(args)
     manager = None
     try:
         pgs = create_placement_groups(args)
@@ -102,7 +86,7 @@ def test_train_and_sync_under_slime_group(slime_job):
     right = (tok.encode(problems[0][0]), tok.encode(problems[0][1] + "\n"))
     wrong = (tok.encode(problems[0][0]), tok.encode("9\n"))
     group.update_weights()  # slime's first step: engines serve the trainer's weights
-    before = (_engine_logprob(urls[0], *right), _engine_logprob(urls[0], *wrong))
+    before = (engine_logprob(urls[0], *right), engine_logprob(urls[0], *wrong))
 
     for rollout_id in range(3):
         refs = split_by_dp(args, samples_to_train_data(args, samples), config)
@@ -110,15 +94,9 @@ def test_train_and_sync_under_slime_group(slime_job):
         metrics = ray.get(group.async_train(rollout_id, refs))
         assert all(m["train/steps"] == 1.0 for m in metrics)
         synced = group.update_weights()
-    after = (_engine_logprob(urls[0], *right), _engine_logprob(urls[0], *wrong))
+    after = (engine_logprob(urls[0], *right), engine_logprob(urls[0], *wrong))
     assert after[0] > before[0] + 0.05, (before, after)  # the rewarded answer got likelier
     assert after[1] < before[1], (before, after)
     # the engine reports the trainer's 4th weight version (1 + 3 syncs) at parity
-    from titan_rl.rollout.client import SGLangClient
-
-    async def version() -> str:
-        async with SGLangClient(urls[0]) as c:
-            return (await c.get_model_info())["weight_version"]
-
-    assert asyncio.run(version()) == "4"
+    assert weight_version(urls[0]) == "4"
     assert synced[0]["sync/logprob_abs_diff_max"] < 1e-4

@@ -149,3 +149,15 @@ def test_cpu_streams_and_events_are_inert_but_time():
     end.record()
     assert end.elapsed_time(start) <= 0 <= start.elapsed_time(end)
     assert accel.current_stream() == s
+
+
+@pytest.mark.parametrize("value", ["titan", "auto", "TITAN"])
+def test_slime_selecting_titan_leaves_the_choice_to_titan(monkeypatch, value):
+    """``SLIME_ACCELERATOR=titan`` selects Titan in slime's registry (adapters.slime); for
+    Titan's own registry it names no backend, so Titan picks by priority as without it."""
+    own_choice = select_accelerator_name()
+    monkeypatch.setenv("SLIME_ACCELERATOR", value)
+    assert select_accelerator_name() == own_choice
+    monkeypatch.setenv("SLIME_ACCELERATOR", "not-a-backend")  # any other value is a request
+    with pytest.raises(AcceleratorError, match="not-a-backend"):
+        select_accelerator_name()

@@ -1,6 +1,7 @@
 """Registry of accelerator backends, in the shape of slime's.
 
-Selection order: ``TITAN_ACCELERATOR`` (or slime's ``SLIME_ACCELERATOR``) if set; else
+Selection order: ``TITAN_ACCELERATOR`` (or slime's ``SLIME_ACCELERATOR``, unless it is
+``titan`` or ``auto``, which leave the choice to Titan) if set; else
 ``MUSA_VISIBLE_DEVICES`` / ``MUSA_PATCH_PATH`` mean musa; else the available backend with
 the highest priority (musa 200, cuda 100, cpu 0).
 """
@@ -64,30 +65,31 @@ def reset_accelerator() -> None:
 _CHOOSE_FOR_ME = ("titan", "auto")
 
 
-def _requested_name() -> str | None:
+def _requested() -> tuple[str, str] | None:
+    """(backend name, the variable that asked for it), or None: choose by priority."""
     for var in ("TITAN_ACCELERATOR", "SLIME_ACCELERATOR"):
         value = os.environ.get(var, "").strip().lower()
         if var == "SLIME_ACCELERATOR" and value in _CHOOSE_FOR_ME:
             continue
         if value:
-            return value
-    if "musa" in _REGISTRY and (
-        os.environ.get("MUSA_VISIBLE_DEVICES") or os.environ.get("MUSA_PATCH_PATH")
-    ):
-        return "musa"
+            return value, var
+    for var in ("MUSA_VISIBLE_DEVICES", "MUSA_PATCH_PATH"):
+        if "musa" in _REGISTRY and os.environ.get(var):
+            return "musa", var
     return None
 
 
 def select_accelerator_name() -> str:
     """The backend name the selection rules give, without instantiating it."""
-    requested = _requested_name()
+    requested = _requested()
     if requested is not None:
-        if requested not in _REGISTRY:
+        name, var = requested
+        if name not in _REGISTRY:
             raise AcceleratorError(
-                f"TITAN_ACCELERATOR={requested!r} is not a registered accelerator; "
+                f"{var}={name!r} is not a registered accelerator; "
                 f"choose one of {sorted(_REGISTRY)}"
             )
-        return requested
+        return name
     for entry in sorted(_REGISTRY.values(), key=lambda e: -e.priority):
         if entry.available():
             return entry.name
@@ -101,9 +103,11 @@ def get_accelerator() -> Accelerator:
         name = select_accelerator_name()
         accel = _REGISTRY[name].factory()
         if not accel.is_available():
+            asked = _requested()
+            how = f"unset {asked[1]}" if asked else "register an available backend"
             raise AcceleratorError(
                 f"accelerator {name!r} was requested but is not available on this machine; "
-                "unset TITAN_ACCELERATOR to pick one automatically"
+                f"{how} to pick one automatically, or set TITAN_ACCELERATOR"
             )
         _CURRENT = accel
     return _CURRENT

@@ -1,0 +1,240 @@
+"""The rollout side slime's and miles' drivers share: sampling parameters from their flags,
+generating and scoring sample groups through the framework's hooks, the metrics, and the
+engine half of a rollout manager over Titan's engines.
+
+Both frameworks' own rollout managers import ``sglang`` at the top (no CPU build) and start
+SGLang servers themselves; ``adapters.slime.rollout`` and ``adapters.miles.rollout`` put
+:class:`TitanEngines` under their framework's manager surface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+#: generate requests in flight at once (slime's / miles' --sglang-server-concurrency default)
+CONCURRENCY = 512
+
+
+def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
+    """SGLang sampling parameters from the rollout (or eval) flags, as slime and miles build
+    them (``--eval-*`` override the rollout's for an evaluation)."""
+    temperature, max_new = args.rollout_temperature, args.rollout_max_response_len
+    if evaluation:
+        if args.eval_temperature is not None:
+            temperature = args.eval_temperature
+        if args.eval_max_response_len is not None:
+            max_new = args.eval_max_response_len
+    if max_new is None:
+        raise ValueError("set --rollout-max-response-len (the response budget per sample)")
+    params: dict[str, Any] = {
+        "temperature": temperature,
+        "top_p": args.rollout_top_p,
+        "top_k": args.rollout_top_k,
+        "max_new_tokens": max_new,
+        "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    if args.rollout_stop:
+        params["stop"] = list(args.rollout_stop)
+    if args.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(args.rollout_stop_token_ids)
+    return params
+
+
+async def generate_and_score(
+    args: Any, groups: list[list[Any]], params: dict[str, Any], generate: Callable, rm: Callable
+) -> None:
+    """Every sample through ``generate(args, sample, params)`` (at most :data:`CONCURRENCY`
+    at once), then scored by ``rm``: per sample, or per group with ``--group-rm``, as slime's
+    and miles' reward hub call a ``--custom-rm-path`` function. Groups are updated in place."""
+    from adapters.common.clients import aclose_clients
+
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(sample: Any) -> Any:
+        async with sem:
+            return await generate(args, sample, dict(params))
+
+    try:
+        done = await asyncio.gather(*(asyncio.gather(*(one(s) for s in g)) for g in groups))
+        for g, got in zip(groups, done, strict=True):
+            g[:] = list(got)
+        if args.group_rm:
+            scores = await asyncio.gather(*(rm(args, g) for g in groups))
+            for g, rewards in zip(groups, scores, strict=True):
+                for s, r in zip(g, rewards, strict=True):
+                    s.reward = r
+        else:
+            flat = [s for g in groups for s in g]
+            for s, r in zip(flat, await asyncio.gather(*(rm(args, s) for s in flat)), strict=True):
+                s.reward = r
+    finally:
+        await aclose_clients()
+
+
+def summary(args: Any, samples: list[Any], evaluation: bool, truncated: Any) -> dict[str, float]:
+    """titan_rl's metric names (a reward of 1 or more counts as a right answer);
+    ``truncated`` is the framework's ``Sample.Status.TRUNCATED``."""
+    n = max(1, len(samples))
+    rewards = [float(s.get_reward_value(args)) for s in samples]
+    accuracy = sum(r >= 1.0 for r in rewards) / n
+    if evaluation:
+        return {"eval/accuracy": accuracy, "eval/reward": sum(rewards) / n}
+    return {
+        "reward/mean": sum(rewards) / n,
+        "rollout/accuracy": accuracy,
+        "response/length_mean": sum(s.response_length for s in samples) / n,
+        "response/truncated_frac": sum(s.status == truncated for s in samples) / n,
+    }
+
+
+def rollout_groups(
+    args: Any, data_source: Any, evaluation: bool, generate: Callable, load_function: Callable
+) -> list[list[Any]]:
+    """One rollout's sample groups (``--rollout-batch-size`` prompts from the source) or, for
+    an evaluation, the source's ``eval_samples()`` one response each; generated and scored
+    by ``--custom-rm-path`` (loaded with the framework's ``load_function``)."""
+    if not args.custom_rm_path:
+        raise ValueError(
+            "set --custom-rm-path (e.g. adapters.slime.rewards.exact_match or "
+            "adapters.slime.rewards.math_verify): the framework's rm_hub is not loaded here"
+        )
+    if evaluation:
+        if not hasattr(data_source, "eval_samples"):
+            raise ValueError(
+                f"{type(data_source).__name__} has no eval_samples(); evaluate with Titan's "
+                "TitanPromptSource or set your own --eval-function-path"
+            )
+        groups = [[s] for s in data_source.eval_samples()]
+    else:
+        groups = data_source.get_samples(args.rollout_batch_size)
+    rm = load_function(args.custom_rm_path)
+    asyncio.run(generate_and_score(args, groups, sampling_params(args, evaluation), generate, rm))
+    return groups
+
+
+class TitanEngines:
+    """The engine half of a slime / miles rollout manager: Titan's engines (the built-in CPU
+    engine, or SGLang servers) on the framework's rollout bundles, behind handles with the
+    framework's engine-actor methods; colocated memory release / resume; the trainer layout
+    the framework's DP split needs; the last rollout's metrics; the data source's state."""
+
+    def __init__(self, args: Any, pg: Any = None) -> None:
+        from adapters.common.config import titan_config_from_args
+
+        self.args = args
+        self.pg = pg
+        self.cfg = titan_config_from_args(args)
+        self.engine_group: Any = None
+        self.engines: list[Any] = []
+        self.data_source: Any = None
+        self.train_parallel_config: dict[str, int] | None = None
+        self.metrics: dict[str, float] = {}
+
+    # ---- engines ------------------------------------------------------------------------------
+    def start_titan_engines(self, model_path: str) -> tuple[list[str], str]:
+        """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines serving
+        ``model_path``; returns (their URLs, the URL generation goes to: the router, or the
+        only engine)."""
+        from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig, RouterConfig
+        from titan_rl.actors.engine_actor import RolloutEngineGroup
+
+        args, e = self.args, self.cfg.engines
+        per_engine = args.rollout_num_gpus_per_engine
+        n = max(1, args.rollout_num_gpus // per_engine)
+        group = RolloutEngineGroup(
+            RolloutEnginesConfig(
+                num_engines=n,
+                server=EngineServerConfig(
+                    model_path=model_path, backend=e.backend, tp_size=per_engine,
+                    mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
+                    api_key=e.api_key, skip_tokenizer_init=True, num_threads=e.num_threads,
+                ),
+                router=RouterConfig(enabled=n > 1),
+            ),
+            self._placements(n, per_engine),
+        )  # fmt: skip
+        self.engine_group = group
+        url = group.start()
+        return list(group.urls), url
+
+    def serve(self, urls: list[str], url: str) -> None:
+        """Point the framework's router address args at ``url`` (what its generate posts
+        to) and make one engine handle per URL."""
+        from adapters.common.engines import engine_handles
+
+        host, _, port = url.split("://", 1)[-1].rpartition(":")
+        self.args.sglang_router_ip, self.args.sglang_router_port = host, int(port)
+        self.engines = engine_handles(urls, self.cfg.engines.api_key)
+
+    def _placements(self, n: int, per_engine: int) -> list[Any] | None:
+        """Engine i on the rollout bundles [i*per_engine, ...) of the framework's placement
+        group, SGLang's base GPU id from its bundle -> GPU map (None: engines float)."""
+        if self.pg is None or self.pg[0] is None:
+            return None
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from titan_rl.placement import EnginePlacement
+
+        pg, bundles, gpu_ids = self.pg
+        share = 0.2 if self.args.colocate else 1.0
+        out = []
+        for i in range(n):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundles[i * per_engine]
+            )
+            gpu = int(gpu_ids[i * per_engine]) if gpu_ids else None
+            opts: dict[str, Any] = {"scheduling_strategy": strategy, "num_cpus": 0}
+            if gpu is not None and self.cfg.engines.backend != "builtin":
+                opts["num_gpus"] = share
+            out.append(EnginePlacement(actor_options=opts, base_gpu_id=gpu, bind_node_ip=False))
+        return out
+
+    def engine_gpus(self) -> tuple[list[int], list[int]]:
+        """(devices per engine, each engine's first device in the rollout span)."""
+        per = self.args.rollout_num_gpus_per_engine
+        return [per] * len(self.engines), [i * per for i in range(len(self.engines))]
+
+    # ---- what the loop and the trainers ask -------------------------------------------------
+    def set_train_parallel_config(self, config: dict[str, int]) -> None:
+        self.train_parallel_config = config
+
+    def get_train_parallel_config(self) -> dict[str, int] | None:
+        return self.train_parallel_config
+
+    def get_metrics(self) -> dict[str, float]:
+        """The last rollout's metrics (reward, accuracy, response length, truncated)."""
+        return self.metrics
+
+    def get_num_rollout_per_epoch(self) -> int:
+        return len(self.data_source) // self.args.rollout_batch_size
+
+    def load(self, rollout_id: int | None = None) -> None:
+        self.data_source.load(rollout_id)
+
+    # ---- colocated memory -------------------------------------------------------------------
+    def offload(self, tags: list[str] | None = None) -> None:
+        import ray
+
+        ray.get([e.release_memory_occupation.remote() for e in self.engines])
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        import ray
+
+        ray.get([e.resume_memory_occupation.remote(tags) for e in self.engines])
+
+    def onload_weights(self) -> None:
+        self.onload(["weights"])
+
+    def onload_kv(self) -> None:
+        self.onload(["kv_cache", "cuda_graph"])
+
+    def dispose(self) -> None:
+        if (close := getattr(self.data_source, "close", None)) is not None:
+            close()
+        if self.engine_group is not None:
+            self.engine_group.stop()
+            self.engine_group = None

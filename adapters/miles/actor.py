@@ -1,0 +1,245 @@
+"""``TitanTrainRayActor``: miles' ``TrainRayActor`` trained by Titan's Megatron base.
+
+miles has no actor registry (``miles.ray.train.actor_factory`` picks Megatron or FSDP with an
+if/else); ``python -m adapters.miles.train`` puts this class in through one substitution
+around the creation of miles' ``RayTrainGroup`` (``adapters.miles.train.titan_train_actors``).
+miles' group then calls the contract below on every trainer rank. Everything device-specific
+goes through ``titan_core.accelerator``, so the same actor runs on CUDA, MUSA and CPU.
+
+What runs of miles' own code here: ``TrainRayActor.__init__`` (rendezvous environment,
+logger, miles' object store), ``init_gloo_group``, ``set_rollout_manager``, the heartbeat,
+miles' object store and DP-split functions for the rollout data
+(``adapters.miles.train_data``), ``TrainStepOutcome`` and the HF-export completion marker.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from adapters.common.backend import TitanBackend, engine_urls, refuse_unsupported
+from adapters.peers import import_peer
+
+_train_actor = import_peer("miles.ray.train_actor")
+
+
+#: files of an HF tokenizer copied next to an export, when ``--hf-checkpoint`` has them
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+)  # fmt: skip
+
+
+class TitanTrainRayActor(_train_actor.TrainRayActor):
+    """One trainer rank: the process group on Titan's accelerator, then Titan's policy
+    trainer (``titan_rl.trainer.PolicyTrainer``, the one ``python -m titan_rl.grpo`` uses)
+    through :class:`adapters.common.backend.TitanBackend`."""
+
+    def __init__(
+        self,
+        args: Any,
+        world_size: int,
+        rank: int,
+        master_addr: str | None,
+        master_port: Any,
+        indep_dp_store_addr: str | None = None,
+        role: str = "actor",
+        cell_index: int = 0,
+    ) -> None:
+        super().__init__(
+            args, world_size, rank, master_addr, master_port, indep_dp_store_addr, role, cell_index
+        )
+        self.backend: Any = None
+        self.rollout_manager: Any = None
+        self.metrics: dict[str, float] = {}
+        self.weight_version = 0
+
+    # ---- miles' contract: set-up ----------------------------------------------------------------
+    def init(
+        self,
+        args: Any,
+        role: str,
+        *,
+        with_ref: bool = False,
+        with_opd_teacher: bool = False,
+        recv_ckpt_src_rank: int | None = None,
+        indep_dp_info: Any = None,
+    ) -> int:
+        """The process group, then the trainer; returns the first rollout id (after the last
+        checkpoint in ``--save``, else 0), equal on every rank.
+
+        miles' ``TrainRayActor.init`` is not called: it runs ``torch.cuda.set_device`` and
+        ``init_process_group(args.distributed_backend)`` unconditionally (no CUDA on CPU or
+        MUSA; nccl is CUDA's backend) and sets NVML CPU affinity. Its steps that matter are
+        done here with Titan's accelerator (``set_device``, ``communication_backend``) and
+        miles' own ``init_gloo_group``, and ``args.rank`` / ``args.world_size`` are set as
+        miles sets them.
+        """
+        refuse_unsupported("miles", role, with_opd_teacher)
+        if recv_ckpt_src_rank is not None or (indep_dp_info and indep_dp_info.num_cells > 1):
+            raise ValueError(
+                "independent-DP cells and in-memory healing (--indep-dp, fault tolerance) are "
+                "not supported by the Titan backend"
+            )
+        self.args, self.role = args, role
+        self.with_ref, self.with_opd_teacher = with_ref, with_opd_teacher
+        self._init_process_group(args)
+        self.backend = TitanBackend(args, world_size=self._world_size, with_ref=with_ref)
+        self._heartbeat.bump()
+        return self.backend.resume()
+
+    def _init_process_group(self, args: Any) -> None:
+        import torch.distributed as dist
+
+        from titan_core.accelerator import get_accelerator
+
+        dist_utils = import_peer("miles.utils.distributed_utils")
+        accel = get_accelerator()
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        accel.set_device(accel.resolve_visible_device_id(local_rank))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend=accel.communication_backend(getattr(args, "distributed_backend", None)),
+                timeout=timedelta(minutes=getattr(args, "distributed_timeout_minutes", 10)),
+                device_id=accel.distributed_device_id(local_rank),
+            )
+        dist_utils.init_gloo_group()
+        args.rank, args.world_size = dist.get_rank(), dist.get_world_size()
+
+    @property
+    def train_parallel_config(self) -> dict[str, int]:
+        """What the rollout manager splits the data by (``build_dp_schedule``)."""
+        return self.backend.train_parallel_config()
+
+    def _get_parallel_config(self) -> dict[str, int]:
+        return self.backend.parallel_config()
+
+    # ---- miles' contract: training --------------------------------------------------------------
+    def train(
+        self,
+        rollout_id: int,
+        rollout_data_ref: Any,
+        witness_info: Any = None,
+        attempt: int = 0,
+        external_data: Any = None,
+    ) -> Any:
+        """This DP rank's share of the rollout, one optimizer step per step of miles'
+        schedule. Returns miles' ``TrainStepOutcome.NORMAL``; the metrics are kept for
+        :meth:`get_metrics` (miles' group discards what ``train`` returns)."""
+        from adapters.miles.train_data import rank_rollout_data, with_step_schedule
+
+        self._heartbeat.bump()
+        if external_data is not None:
+            raise ValueError("critic values (external_data) are not supported by the Titan backend")
+        par = self._get_parallel_config()
+        data, got = rank_rollout_data(
+            self.args, rollout_data_ref, par["dp_rank"], par["dp_size"], witness_info
+        )
+        with got:
+            data = with_step_schedule(self.args, data, par["dp_size"])
+            metrics = self.backend.train(data)
+        self.metrics = {"rollout_id": float(rollout_id), **metrics}
+        self._heartbeat.bump()
+        outcome = import_peer("miles.backends.megatron_utils.ft.types").TrainStepOutcome
+        return outcome.NORMAL
+
+    def get_metrics(self) -> dict[str, float]:
+        """The last ``train`` and ``update_weights`` metrics of this rank."""
+        return dict(self.metrics)
+
+    def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """A Titan checkpoint in ``--save`` (and an HF export to ``--save-hf``, formatted
+        with ``rollout_id``, when set, as miles does)."""
+        self._heartbeat.bump()
+        self.backend.save(rollout_id)
+        save_hf = getattr(self.args, "save_hf", None)
+        if save_hf:
+            self.export_hf(rollout_id, save_hf.format(rollout_id=rollout_id))
+
+    def export_hf(self, rollout_id: int, path: str) -> None:
+        """An HF directory of the current policy at ``path`` (every rank calls, rank 0
+        writes): ``config.json``, ``model.safetensors``, the tokenizer files of
+        ``--hf-checkpoint`` if it has any, then miles' completion marker."""
+        import torch.distributed as dist
+
+        marker = import_peer("miles.utils.hf_config").HF_EXPORT_COMPLETE_MARKER
+        out = Path(path)
+        if dist.get_rank() == 0:
+            (out / marker).unlink(missing_ok=True)  # a stale marker would vouch for this one
+        self.backend.save_hf(out)  # ends with a barrier
+        if dist.get_rank() == 0:
+            src = getattr(self.args, "hf_checkpoint", None)
+            for name in _TOKENIZER_FILES if src and Path(src).is_dir() else ():
+                if (Path(src) / name).is_file() and Path(src).resolve() != out.resolve():
+                    shutil.copyfile(Path(src) / name, out / name)
+            (out / marker).touch()
+
+    # ---- miles' contract: weights -----------------------------------------------------------------
+    def update_weights(self, info: Any) -> dict[str, float]:
+        """Push the weights to ``info.rollout_engines`` (miles' ``EnginesAndLock``) as the
+        next weight version, through Titan's ``sync.transport``: ``tensor`` (miles'
+        colocated tensor update), ``distributed`` (broadcast), ``disk`` or ``mooncake``
+        (miles' p2p). miles' engine lock is held (by rank 0) while the engines change;
+        rank 0 reports the version to the rollout manager as miles' actor does."""
+        import ray
+        import torch.distributed as dist
+
+        self._heartbeat.bump()
+        if getattr(self.args, "debug_train_only", False) or getattr(
+            self.args, "debug_rollout_only", False
+        ):
+            return {}
+        engines = list(info.rollout_engines)
+        if not engines:
+            return {}
+        gloo = import_peer("miles.utils.distributed_utils").get_gloo_group()
+        rank0 = dist.get_rank() == 0
+        urls = engine_urls(engines)
+        lock = info.rollout_engine_lock
+        if rank0 and lock is not None:
+            while not ray.get(lock.acquire.remote()):
+                time.sleep(0.1)
+        try:
+            dist.barrier(group=gloo)
+            self.weight_version += 1
+            start = time.perf_counter()
+            metrics = self.backend.update_engines(
+                urls, self.weight_version, reconnect=bool(info.has_new_engines)
+            )
+            metrics["time/update_weights"] = time.perf_counter() - start
+            dist.barrier(group=gloo)
+        finally:
+            if rank0 and lock is not None:
+                ray.get(lock.release.remote())
+        if rank0 and self.rollout_manager is not None:
+            refs = [self.rollout_manager.set_weight_version.remote(self.weight_version)]
+            if info.has_new_engines:
+                refs.append(self.rollout_manager.clear_updatable_has_new_engines.remote())
+            ray.get(refs)
+        self.metrics.update(metrics)
+        return metrics
+
+    # ---- miles' contract: memory ------------------------------------------------------------------
+    def sleep(self, tags: Any = None) -> None:
+        """Colocated offload: Titan keeps parameters and optimizer state in place and only
+        returns the allocator's cached memory (a no-op on CPU)."""
+        self.clear_memory()
+
+    def wake_up(self, tags: Any = None) -> None:
+        return None
+
+    def clear_memory(self) -> None:
+        """miles' base version calls ``torch.cuda`` directly; this asks the accelerator."""
+        self.backend.trainer.accel.synchronize()
+        gc.collect()
+        self.backend.trainer.accel.empty_cache()
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None

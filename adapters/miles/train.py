@@ -1,0 +1,290 @@
+"""``python -m adapters.miles.train <miles arguments>``: miles' RL loop, trained by Titan.
+
+The loop is miles' ``train.py``: placement groups, the rollout manager, the trainer group
+(miles' own ``RayTrainGroup``, ``miles.ray.actor_group``), ``init`` -> ``set_rollout_manager``
+-> ``update_weights`` first, then per rollout: generate -> train -> save -> update weights ->
+evaluate, all through miles' group and its actor contract.
+
+**The one substitution.** miles has no actor registry: ``RayTrainGroup.__init__`` creates
+its trainer actors with ``allocate_gpus_for_actor`` (``miles.ray.train.actor_factory``),
+which picks ``MegatronTrainRayActor`` or ``FSDPTrainRayActor`` by ``--train-backend``.
+:func:`titan_train_actors` is a context manager, entered by this driver around the creation
+of the group and nowhere else, that points the group module's ``allocate_gpus_for_actor``
+at :func:`allocate_titan_actors` (the same placement: one Ray actor per trainer rank on the
+rank's bundle, rank 0's rendezvous address for the others, miles' environment) and restores
+miles' function on exit. miles' group calls the allocator only in its constructor, so no
+actor is made outside the block. Nothing is changed at import time.
+
+Replaced miles modules, each because it imports ``sglang`` (no CPU build) at the top:
+``miles.utils.arguments`` (-> ``adapters.miles.arguments``), ``miles.ray.placement_group``
+(imports the rollout manager; -> :func:`create_placement_groups`, the same
+``(pg, bundle indices, GPU ids)`` triples), ``miles.ray.rollout.rollout_manager``
+(-> ``adapters.miles.rollout.TitanRolloutManager``), ``miles.utils.data``
+(-> ``adapters.miles.train_data``), miles' rollout functions and data sources
+(-> ``adapters.miles.generate``, ``adapters.miles.data_source``). miles' fault-tolerant
+group (``MILES_EXPERIMENTAL_FT_TRAINER``), critic, OPD and multi-LoRA are refused.
+
+Example (CPU, the demo's arithmetic task; its base is pretrained if missing)::
+
+    python -m adapters.miles.train --titan-config examples/math.yaml \\
+        --actor-num-gpus-per-node 1 --rollout-num-gpus 1 \\
+        --num-rollout 60 --rollout-batch-size 32 --n-samples-per-prompt 8 \\
+        --custom-rm-path adapters.slime.rewards.exact_match --eval-interval 20 \\
+        --eval-temperature 0
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from adapters.common.driver import (
+    EXIT_CONFIG_ERROR,
+    finish_run,
+    prepare,
+    ray_init,
+    start_policy,
+    status_line,
+)
+from titan_core.config import ConfigError
+
+#: trainer actors' share of a bundle's device, as miles' allocate_train_group asks
+NUM_GPUS_PER_ACTOR = 0.4
+
+
+def create_placement_groups(args: Any) -> dict[str, Any]:
+    """miles' placement: one group of ``{"GPU": 1, "CPU": 1}`` bundles (trainer ranks,
+    then rollout devices; shared when colocated, none for external engines), bundles
+    ordered by node and GPU id; ``{"actor": triple, "rollout": triple}``."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    actor = args.actor_num_nodes * args.actor_num_gpus_per_node
+    if args.colocate:
+        total, rollout_offset = max(actor, args.rollout_num_gpus), 0
+    elif args.rollout_external:
+        total, rollout_offset = actor, actor
+    else:
+        total, rollout_offset = actor + args.rollout_num_gpus, actor
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * total, strategy="PACK")
+    ray.get(pg.ready())
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def where() -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
+
+    found = ray.get([
+        where.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote()
+        for i in range(total)
+    ])  # fmt: skip
+    order = sorted(range(total), key=lambda i: (_node_key(found[i][0]), found[i][1]))
+    gpu_ids = [found[i][1] for i in order]
+    return {
+        "actor": (pg, order, gpu_ids),
+        "rollout": (pg, order[rollout_offset:], gpu_ids[rollout_offset:]),
+    }
+
+
+def _node_key(node: str) -> tuple[int, ...]:
+    """An IPv4 address by its numbers, anything else by its characters."""
+    parts = node.split(".")
+    return tuple(map(int, parts)) if all(p.isdigit() for p in parts) else tuple(map(ord, node))
+
+
+def allocate_titan_actors(
+    args: Any,
+    gpus_per_cell: int,
+    pg: tuple[Any, list[int], list[int]],
+    num_gpus_per_actor: float,
+    indep_dp_store_addr: str | None,
+    role: str,
+    cell_index: int,
+) -> list[Any]:
+    """miles' ``allocate_gpus_for_actor`` signature and placement, with
+    :class:`adapters.miles.actor.TitanTrainRayActor` as every rank's class."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from adapters.miles.actor import TitanTrainRayActor
+    from adapters.peers import import_peer
+
+    noset = import_peer("miles.ray.utils").NOSET_VISIBLE_DEVICES_ENV_VARS_LIST
+    # as miles: every device visible, the rank picks its own (LOCAL_RANK = its GPU id)
+    env = {**{name: "1" for name in noset}, **(args.train_env_vars or {})}
+    remote_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(TitanTrainRayActor)
+    placement_group, bundles, _ = pg
+    handles: list[Any] = []
+    master: tuple[Any, Any] = (None, None)
+    for rank in range(gpus_per_cell):
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=bundles[rank]
+        )
+        handle = remote_cls.options(
+            num_cpus=num_gpus_per_actor, num_gpus=num_gpus_per_actor, scheduling_strategy=strategy
+        ).remote(
+            args, gpus_per_cell, rank, *master,
+            indep_dp_store_addr=indep_dp_store_addr, role=role, cell_index=cell_index,
+        )  # fmt: skip
+        if rank == 0:
+            master = tuple(ray.get(handle.get_master_addr_and_port.remote()))
+        handles.append(handle)
+    return handles
+
+
+@contextlib.contextmanager
+def titan_train_actors() -> Iterator[list[Any]]:
+    """Within the block, miles' ``RayTrainGroup`` (``miles.ray.actor_group``) makes
+    :class:`TitanTrainRayActor` ranks; yields the list of the handles it made (filled as
+    groups are created). miles' allocator is restored on exit."""
+    from adapters.peers import import_peer
+
+    group_mod = import_peer("miles.ray.actor_group")
+    made: list[Any] = []
+    original = group_mod.allocate_gpus_for_actor
+
+    def allocate(**kwargs: Any) -> list[Any]:
+        handles = allocate_titan_actors(**kwargs)
+        made.extend(handles)
+        return handles
+
+    group_mod.allocate_gpus_for_actor = allocate
+    try:
+        yield made
+    finally:
+        group_mod.allocate_gpus_for_actor = original
+
+
+def check_supported(args: Any) -> None:
+    """miles features this backend does not run, refused before anything starts."""
+    from adapters.peers import import_peer
+
+    if import_peer("miles.utils.environ").enable_experimental_ft_trainer():
+        raise ConfigError(
+            "MILES_EXPERIMENTAL_FT_TRAINER is set: miles' fault-tolerant trainer cells (and "
+            "their in-memory healing) are not supported by the Titan backend; unset it"
+        )
+    for name, what in (("use_critic", "a critic (PPO)"), ("use_opd", "on-policy distillation"),
+                       ("indep_dp", "independent-DP cells"), ("multi_lora", "multi-LoRA")):  # fmt: skip
+        if getattr(args, name, False):
+            raise ConfigError(f"{what} is not supported by the Titan backend")
+
+
+async def build_trainer_group(
+    args: Any, pgs: dict[str, Any], manager: Any
+) -> tuple[Any, list[Any]]:
+    """miles' ``RayTrainGroup`` of Titan ranks, initialised and told the rollout manager
+    (miles' ``create_training_models``); (group, the ranks' handles)."""
+    from adapters.peers import import_peer
+
+    group_cls = import_peer("miles.ray.actor_group").RayTrainGroup
+    with titan_train_actors() as actors:
+        group = group_cls(
+            args, args.actor_num_nodes, args.actor_num_gpus_per_node, pgs["actor"],
+            rollout_manager=manager, num_gpus_per_actor=NUM_GPUS_PER_ACTOR, role="actor",
+            with_ref=bool(args.use_kl_loss), with_opd_teacher=False,
+        )  # fmt: skip
+    starts = await group.init()
+    if len(set(starts)) != 1:
+        raise RuntimeError(f"trainer ranks resume at different rollouts: {starts}")
+    if args.start_rollout_id is None:
+        args.start_rollout_id = starts[0]
+    await group.set_rollout_manager()
+    if args.rollout_global_dataset:
+        await manager.load.remote(args.start_rollout_id - 1)
+    return group, list(actors)
+
+
+async def train(args: Any) -> int:
+    import ray
+
+    from adapters.miles.rollout import TitanRolloutManager
+    from adapters.peers import import_peer
+    from titan_core.training.metrics import MetricsWriter
+
+    check_supported(args)
+    run_dir = start_policy(args, prepare(args))
+    ray_init(args)
+    import_peer("miles.utils.object_store").init_instance(args, contribute_segment=False)
+    pgs = create_placement_groups(args)
+    manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
+    writer = None
+    actors: list[Any] = []
+    try:
+        group, actors = await build_trainer_group(args, pgs, manager)
+        await manager.start_engines.remote(args.hf_checkpoint)
+        await group.update_weights()  # miles' first step: the engines serve the policy
+        start, total = args.start_rollout_id, args.num_rollout
+        writer = MetricsWriter(run_dir / "metrics.jsonl")
+        if start == 0 and args.eval_interval is not None:
+            ev = await manager.eval.remote(0)
+            writer.write({"step": 0, **ev})
+            print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
+        last = time.perf_counter()
+        for rollout_id in range(start, total):
+            t0 = time.perf_counter()
+            pack = await manager.generate.remote(rollout_id)
+            rec: dict[str, Any] = {"step": rollout_id + 1, **await manager.get_metrics.remote()}
+            if args.colocate:
+                await manager.offload.remote()
+            t1 = time.perf_counter()
+            await group.train(rollout_id, pack)
+            t2 = time.perf_counter()
+            if args.save_interval and (rollout_id + 1) % args.save_interval == 0:
+                await group.save_model(rollout_id)
+                await manager.save.remote(rollout_id)
+            if args.colocate:
+                await group.offload()
+                await manager.onload_weights.remote()
+            t3 = time.perf_counter()
+            await group.update_weights(rollout_id=rollout_id)
+            if args.colocate:
+                await manager.onload_kv.remote()
+            t4 = time.perf_counter()
+            rec.update(await actors[0].get_metrics.remote())
+            if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
+                rec.update(await manager.eval.remote(rollout_id))
+            t5 = time.perf_counter()
+            rec.update({
+                "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t4 - t3,
+                "time/eval": t5 - t4, "time/step": t5 - last,
+            })  # fmt: skip
+            last = t5
+            writer.write(rec)
+            print(status_line(rec, total), flush=True)
+        if total > start:
+            await group.save_model(total - 1, force_sync=True)
+            await manager.save.remote(total - 1)
+        writer.close()
+        writer = None
+        finish_run(run_dir, "GRPO: miles' loop, Titan's trainer")
+    finally:
+        if writer is not None:
+            writer.close()
+        # the ranks leave their process groups before Ray ends their processes
+        await asyncio.gather(*(a.shutdown.remote() for a in actors))
+        await manager.dispose.remote()
+        ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from adapters.miles.arguments import parse_args
+    from adapters.peers import PeerImportError
+    from titan_rl.data import DatasetError
+
+    args = parse_args(argv)
+    try:
+        return asyncio.run(train(args))
+    except (ConfigError, PeerImportError, DatasetError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
