@@ -86,8 +86,7 @@ def select_accelerator_name() -> str:
         name, var = requested
         if name not in _REGISTRY:
             raise AcceleratorError(
-                f"{var}={name!r} is not a registered accelerator; "
-                f"choose one of {sorted(_REGISTRY)}"
+                f"{var}={name!r} is not a registered accelerator; choose one of {sorted(_REGISTRY)}"
             )
         return name
     for entry in sorted(_REGISTRY.values(), key=lambda e: -e.priority):
