@@ -145,3 +145,76 @@ def test_bad_shapes_and_group_size():
         compute_advantages(torch.zeros(6), 4, torch.ones(6, 2), _cfg())
     with pytest.raises(ValueError, match="expected rewards"):
         compute_advantages(torch.zeros(4), 2, torch.ones(3, 2), _cfg())
+
+
+def test_returns_run_through_masked_positions_inside_a_response():
+    """A multi-turn mask (a tool's reply masked out): the outcome reward reaches the tokens
+    before the reply; masked positions keep no return."""
+    from titan_rl.algo.advantages import discounted_returns
+
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]])
+    got = discounted_returns(rewards, mask, gamma=1.0)
+    torch.testing.assert_close(got, torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0]]))
+    got = discounted_returns(rewards, mask, gamma=0.5)
+    torch.testing.assert_close(got, torch.tensor([[1 / 16, 1 / 8, 0.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_returns_match_slimes_implementation(gamma):
+    """The same returns as slime's own ``chunked_discounted_returns`` on the valid tokens
+    (random rewards, masks with gaps and right padding)."""
+    ppo_utils = pytest.importorskip("slime.utils.ppo_utils", reason="slime's wheel is needed")
+    from titan_rl.algo.advantages import discounted_returns
+
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(6, 40, generator=g) > 0.3).float()
+    mask[:, 30:] = 0.0  # right padding
+    rewards = torch.randn(6, 40, generator=g) * mask
+    want = ppo_utils.chunked_discounted_returns(rewards, gamma) * mask
+    torch.testing.assert_close(discounted_returns(rewards, mask, gamma), want)
+
+
+def _whiten_on_ranks(rank: int, world: int, init: str, rows: list[int], out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    rewards, mask, kl, cfgs = _whiten_case()
+    mine = slice(rows[rank], rows[rank + 1])
+    got = [
+        compute_advantages(rewards[mine], 2, mask[mine], cfg, kl=kl[mine], group=dist.group.WORLD)
+        for cfg in cfgs
+    ]
+    torch.save(got, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _whiten_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[AlgoConfig]]:
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(8, generator=g)
+    mask = (torch.rand(8, 12, generator=g) > 0.25).float()
+    kl = torch.rand(8, 12, generator=g) * 0.1
+    cfgs = [
+        _cfg(advantage_estimator=est, use_kl_in_reward=True, kl_in_reward_coef=0.2, gamma=0.95)
+        for est in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+    ]
+    return rewards, mask, kl, cfgs
+
+
+@pytest.mark.parametrize("rows", [[0, 4, 8], [0, 2, 8]])
+def test_whitening_over_dp_ranks_equals_the_whole_batch(tmp_path, rows):
+    """REINFORCE++ advantages of rows split over two DP ranks (gloo) equal those of the whole
+    batch in one process: the whitening statistics are the batch's, not each rank's."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "adv")
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_whiten_on_ranks, args=(2, init, rows, out), nprocs=2, join=True)
+    rewards, mask, kl, cfgs = _whiten_case()
+    parts = [torch.load(f"{out}.{r}") for r in range(2)]
+    for i, cfg in enumerate(cfgs):
+        whole = compute_advantages(rewards, 2, mask, cfg, kl=kl)
+        split = torch.cat([parts[0][i], parts[1][i]])
+        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+        alone = compute_advantages(rewards[:4], 2, mask[:4], cfg, kl=kl[:4])
+        assert not torch.allclose(alone, whole[:4], atol=1e-3)  # per-rank stats would differ

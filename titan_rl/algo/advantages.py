@@ -7,6 +7,8 @@ response mask, so it can be sliced into microbatches and data-parallel shards as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -28,27 +30,41 @@ def _grouped(x: Tensor, group_size: int) -> Tensor:
     return x.view(-1, group_size)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = WHITEN_EPS) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the valid tokens (unbiased var); zero where masked."""
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = WHITEN_EPS, group: Any = None) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid tokens (unbiased var); zero where masked.
+
+    ``group``: a torch.distributed process group (the data-parallel one) whose ranks hold
+    the other rows of the batch: the mean and variance are then the whole batch's, as
+    slime and verl whiten, so the result does not depend on how rows are split over ranks.
+    """
     m = mask.to(x.dtype)
-    n = m.sum()
+    sums = torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()]).double()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, group=group)
+    n, total, squares = sums.unbind()
     if n < 2:
         raise ValueError("whitening needs at least 2 valid response tokens in the batch")
-    mean = (x * m).sum() / n
-    var = (((x - mean) ** 2) * m).sum() / (n - 1)
-    return (x - mean) * torch.rsqrt(var + eps) * m
+    mean = total / n
+    var = ((squares - n * mean * mean) / (n - 1)).clamp(min=0.0)
+    return ((x - mean.to(x.dtype)) * torch.rsqrt(var + eps).to(x.dtype)) * m
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """G_t = r_t + gamma * G_{t+1}, restarted after masked positions (verl's convention)."""
+    """G_t = r_t + gamma * G_{t+1} at every position, kept on the valid tokens.
+
+    The return runs through masked positions inside a response (a tool's reply in a
+    multi-turn rollout carries no reward and no loss, but the outcome reward still reaches
+    the tokens before it), as slime's ``chunked_discounted_returns`` and verl since its
+    PR #7300 compute it; masked positions only contribute their own (zero) reward.
+    """
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
-    m = mask.to(token_rewards.dtype)
     for t in reversed(range(token_rewards.shape[1])):
         running = token_rewards[:, t] + gamma * running
         returns[:, t] = running
-        running = running * m[:, t]
-    return returns * m
+    return returns * mask.to(token_rewards.dtype)
 
 
 def _last_token_index(mask: Tensor) -> Tensor:
@@ -63,6 +79,7 @@ def compute_advantages(
     response_mask: Tensor,
     cfg: AlgoConfig,
     kl: Tensor | None = None,
+    group: Any = None,
 ) -> Tensor:
     """Advantages ``[B, T]`` for ``rewards [B]`` under ``cfg.advantage_estimator``.
 
@@ -70,6 +87,9 @@ def compute_advantages(
     ``kl_penalty(old_logprobs, ref_logprobs, "k1")``); it is required when
     ``cfg.use_kl_in_reward``. Sequence-level estimators then use the shaped reward
     ``r - kl_in_reward_coef * sum_t kl_t``; reinforce++ puts ``-coef * kl_t`` on every token.
+    ``group``: the data-parallel process group when these are one rank's rows of the batch;
+    reinforce++ (baseline) whitening then uses the whole batch's statistics (the group
+    estimators need whole prompt groups on each rank, which the DP split keeps).
     """
     if rewards.dim() != 1 or response_mask.dim() != 2 or response_mask.shape[0] != rewards.shape[0]:
         raise ValueError(
@@ -91,7 +111,7 @@ def compute_advantages(
         has_tokens = mask.sum(dim=1) > 0
         rows = torch.arange(r.shape[0], device=r.device)
         token_rewards[rows, last] += torch.where(has_tokens, r, torch.zeros_like(r))
-        return masked_whiten(discounted_returns(token_rewards, mask, cfg.gamma), mask)
+        return masked_whiten(discounted_returns(token_rewards, mask, cfg.gamma), mask, group=group)
 
     if est == "reinforce_plus_plus_baseline":
         g = _grouped(r, group_size)
@@ -99,7 +119,7 @@ def compute_advantages(
         adv = centred[:, None] * mask
         if token_kl is not None:
             adv = adv - token_kl
-        return masked_whiten(adv, mask)
+        return masked_whiten(adv, mask, group=group)
 
     if token_kl is not None:
         r = r - token_kl.sum(dim=1)

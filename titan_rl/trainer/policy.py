@@ -231,7 +231,7 @@ class PolicyTrainer:
             if rows.advantages is None:
                 adv = compute_advantages(
                     rows.rewards, cfg.rollout.n_samples_per_prompt, rows.response_mask,
-                    cfg.algo, kl=kl,
+                    cfg.algo, kl=kl, group=self._dp_group(),
                 )  # fmt: skip
             elif rows.advantages.dim() == 1:  # one advantage per sequence, on every token
                 adv = rows.advantages.float().unsqueeze(1) * rows.response_mask
@@ -289,6 +289,12 @@ class PolicyTrainer:
         # measured inside the trainer, so the driver can tell compute from orchestration
         metrics["time/train_compute"] = time.perf_counter() - start
         return self._reduce_metrics(metrics)
+
+    def _dp_group(self) -> Any:
+        """The data-parallel group, where there is more than one DP rank (else None)."""
+        if self.dp > 1 and dist.is_initialized():
+            return parallel_state.get_data_parallel_group()
+        return None
 
     def _global_sum(self, value: torch.Tensor) -> float:
         t = value.detach().double().reshape(1)
