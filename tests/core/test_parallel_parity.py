@@ -60,6 +60,38 @@ def test_dense_layout_matches_single_process(tmp_path, dense_seed, dense_referen
     assert got[-1] < got[0], "the loss should fall over three steps"
 
 
+def test_padded_vocabulary_follows_the_checkpoint(tmp_path, dense_seed):
+    """A TP=1 checkpoint pads the vocabulary to 384 rows, a new TP=2 model to 512: loaded at
+    TP=2 it keeps the checkpoint's 384 rows (the same model), and its HF export says so."""
+    from titan_core.checkpoint import latest_iteration, saved_vocab_rows
+
+    assert saved_vocab_rows(dense_seed, latest_iteration(dense_seed)) == 384
+    run_pretrain(
+        TINY,
+        [*FAST, *STEPS, "parallel.tensor_model_parallel_size=2", f"run.dir={tmp_path}",
+         f"checkpoint.pretrained_checkpoint={dense_seed}"],
+        nproc=2,
+    )  # fmt: skip
+    saved = tmp_path / "checkpoints"
+    assert saved_vocab_rows(saved, latest_iteration(saved)) == 384
+
+
+def test_vocabulary_tp_cannot_split_is_refused(tmp_path):
+    """A checkpoint whose vocabulary rows TP=2 cannot split (259) is an error naming the
+    rows and the key, not a silently different model."""
+    seed = tmp_path / "seed"
+    run_pretrain(TINY, [*FAST, "train.train_iters=2", "model.vocab_size=259",
+                        "model.make_vocab_size_divisible_by=1", f"run.dir={seed}"])  # fmt: skip
+    proc = run_pretrain(
+        TINY,
+        [*FAST, *STEPS, "model.vocab_size=259", "parallel.tensor_model_parallel_size=2",
+         f"run.dir={tmp_path / 'tp2'}", f"checkpoint.pretrained_checkpoint={seed / 'checkpoints'}"],
+        nproc=2, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "259 rows" in proc.stderr and "tensor_model_parallel_size=2" in proc.stderr
+
+
 def test_moe_expert_parallel_matches_single_process(tmp_path_factory):
     seed = tmp_path_factory.mktemp("moe_seed")
     run_pretrain(TINY_MOE, [*FAST, "train.train_iters=2", f"run.dir={seed}"])

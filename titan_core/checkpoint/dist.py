@@ -40,6 +40,23 @@ def latest_iteration(root: str | Path | None) -> int | None:
     return iteration
 
 
+#: the sharded keys whose first dimension is the (padded) vocabulary
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def saved_vocab_rows(root: str | Path, iteration: int) -> int | None:
+    """The vocabulary rows (padding included) of the model saved at ``iteration``, read from
+    the checkpoint's metadata (no tensor is loaded); None if it holds neither an embedding
+    nor an output layer."""
+    from megatron.core import dist_checkpointing
+
+    meta = dist_checkpointing.load_tensors_metadata(str(iteration_dir(root, iteration)))
+    for key in _VOCAB_KEYS:
+        if key in meta:
+            return int(meta[key].global_shape[0])
+    return None
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -35,9 +35,28 @@ def use_transformer_engine(cfg: PretrainConfig, accel: Accelerator) -> bool:
     return bool(impl != "local" and te_present)
 
 
-def padded_vocab_size(vocab_size: int, cfg: PretrainConfig) -> int:
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.tensor_model_parallel_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+def padded_vocab_size(vocab_size: int, cfg: PretrainConfig, saved_rows: int | None = None) -> int:
+    """The model's vocabulary rows: Megatron's padding (a multiple of
+    ``make_vocab_size_divisible_by`` x TP) for a new model; for one loaded from a checkpoint,
+    the checkpoint's own rows (``saved_rows``), so the same weights make the same model at
+    any TP. Padding rows are weights too (the output layer scores them): a layout whose TP
+    cannot split the saved rows is refused rather than re-padded into another model."""
+    tp = cfg.parallel.tensor_model_parallel_size
+    if saved_rows is None:
+        multiple = cfg.model.make_vocab_size_divisible_by * tp
+        return ((vocab_size + multiple - 1) // multiple) * multiple
+    if saved_rows < vocab_size:
+        raise ConfigError(
+            f"the checkpoint's vocabulary has {saved_rows} rows but the tokenizer has "
+            f"{vocab_size} tokens: load a checkpoint trained with this tokenizer"
+        )
+    if saved_rows % tp:
+        raise ConfigError(
+            f"the checkpoint's vocabulary has {saved_rows} rows (padding included), which "
+            f"parallel.tensor_model_parallel_size={tp} cannot split evenly; use a TP size that "
+            f"divides {saved_rows}"
+        )
+    return saved_rows
 
 
 def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> TransformerConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from titan_core.accelerator import Accelerator
-from titan_core.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from titan_core.checkpoint import (
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+    saved_vocab_rows,
+)
 from titan_core.checkpoint.dist import unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
@@ -171,6 +177,16 @@ def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     return float(value[0] / value[1].clamp(min=1))
 
 
+@dataclass(frozen=True)
+class _Load:
+    """Where a run's weights come from: a checkpoint folder and iteration; ``resume``: the
+    run's own (optimizer, scheduler and data position too), else initial weights only."""
+
+    root: Path
+    iteration: int
+    resume: bool
+
+
 class Trainer:
     """Builds everything from a config, then ``train()`` runs until ``train.train_iters``."""
 
@@ -182,8 +198,14 @@ class Trainer:
         t = cfg.train
         self.num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        self.run_dir = Path(cfg.run.dir)
+        self.save_dir = Path(cfg.checkpoint.save or self.run_dir / "checkpoints")
+        #: (folder, iteration) this run loads its weights from, if any
+        self.load_from = self._checkpoint_to_load()
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        self.vocab_size = padded_vocab_size(vocab, cfg)
+        src = self.load_from
+        rows = saved_vocab_rows(src.root, src.iteration) if src else None
+        self.vocab_size = padded_vocab_size(vocab, cfg, rows)
         self.tf = build_transformer_config(cfg, accel)
         chunks = build_model_chunks(cfg, self.tf, self.vocab_size, accel)
         self.model = wrap_model(cfg, self.tf, chunks)
@@ -191,23 +213,19 @@ class Trainer:
         self.scheduler = build_scheduler(cfg, self.optimizer)
         configure_schedule_hooks(self.tf, self.model, self.optimizer)
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
-        self.run_dir = Path(cfg.run.dir)
-        self.save_dir = Path(cfg.checkpoint.save or self.run_dir / "checkpoints")
         self.step = 0
         self.consumed_samples = 0
 
     # ---- checkpoints ---------------------------------------------------------------
-    def maybe_resume(self) -> None:
+    def _checkpoint_to_load(self) -> _Load | None:
+        """The run's own latest checkpoint (a resume), else ``checkpoint.pretrained_checkpoint``'s
+        latest (initial weights only), else None (a new model)."""
         ck = self.cfg.checkpoint
         load_dir = Path(ck.load) if ck.load else self.save_dir
         iteration = latest_iteration(load_dir) if ck.auto_resume else None
         if iteration is not None:
-            common = load_checkpoint(load_dir, iteration, self.model, self.optimizer)
-            self.step = int(common["step"])
-            self.consumed_samples = int(common["consumed_samples"])
-            self.scheduler.load_state_dict(common["scheduler"])
-            self._say(f"resumed from {load_dir} at step {self.step}")
-        elif ck.pretrained_checkpoint:
+            return _Load(load_dir, iteration, resume=True)
+        if ck.pretrained_checkpoint:
             root = Path(ck.pretrained_checkpoint)
             it = latest_iteration(root)
             if it is None:
@@ -215,8 +233,22 @@ class Trainer:
                     f"checkpoint.pretrained_checkpoint {root} holds no complete checkpoint "
                     f"(no {root}/latest_checkpointed_iteration.txt)"
                 )
-            load_checkpoint(root, it, self.model, optimizer=None)
-            self._say(f"initialized weights from {root} (iteration {it})")
+            return _Load(root, it, resume=False)
+        return None
+
+    def maybe_resume(self) -> None:
+        src = self.load_from
+        if src is None:
+            return
+        if src.resume:
+            common = load_checkpoint(src.root, src.iteration, self.model, self.optimizer)
+            self.step = int(common["step"])
+            self.consumed_samples = int(common["consumed_samples"])
+            self.scheduler.load_state_dict(common["scheduler"])
+            self._say(f"resumed from {src.root} at step {self.step}")
+        else:
+            load_checkpoint(src.root, src.iteration, self.model, optimizer=None)
+            self._say(f"initialized weights from {src.root} (iteration {src.iteration})")
 
     def save(self) -> None:
         common: dict[str, Any] = {

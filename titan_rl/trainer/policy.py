@@ -20,7 +20,12 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from titan_core.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+from titan_core.checkpoint import (
+    latest_iteration,
+    load_checkpoint,
+    save_checkpoint,
+    saved_vocab_rows,
+)
 from titan_core.checkpoint.dist import unwrap
 from titan_core.config.loader import ConfigError
 from titan_core.data.tokenizer import build_tokenizer
@@ -63,9 +68,13 @@ class PolicyTrainer:
         if cfg.policy.format == "hf":
             self.hf_config = read_hf_config(cfg.policy.load)
             vocab = int(self.hf_config["vocab_size"])
+            rows = None
         else:
             vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        self.vocab_size = padded_vocab_size(vocab, self.pcfg)
+            it = latest_iteration(cfg.policy.load)
+            # the policy is the checkpoint's model, padding rows included, at any TP
+            rows = saved_vocab_rows(cfg.policy.load, it) if it is not None else None
+        self.vocab_size = padded_vocab_size(vocab, self.pcfg, rows)
         if cfg.policy.format == "titan":
             self.hf_config = llama_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
         if cfg.algo.entropy_coef and cfg.parallel.tensor_model_parallel_size > 1:
