@@ -151,6 +151,14 @@ def finish(
             f"--global-batch-size {args.global_batch_size} must divide --rollout-batch-size x "
             f"--n-samples-per-prompt ({per_rollout})"
         )
+    if args.custom_rm_path is None and args.rollout_function_path == ap.get_default(
+        "rollout_function_path"
+    ):
+        ap.error(
+            "--custom-rm-path is needed to score the rollouts (e.g. "
+            "adapters.slime.rewards.exact_match or adapters.slime.rewards.math_verify): the "
+            "framework's rm_hub is not loaded by this driver"
+        )
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
     return args

@@ -21,7 +21,8 @@ from adapters.slime.train_data import post_process_rewards, samples_to_train_dat
 
 def _args(*extra: str) -> argparse.Namespace:
     args = parse_args(["--num-rollout", "1", "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "4", *extra])  # fmt: skip
+                       "--n-samples-per-prompt", "4",
+                       "--custom-rm-path", "adapters.slime.rewards.exact_match", *extra])  # fmt: skip
     args.micro_batch_size = 2
     return args
 
@@ -107,3 +108,22 @@ def test_bad_rollout_data_is_an_error_naming_the_field():
     bad[1].loss_mask = [1]
     with pytest.raises(ValueError, match="loss_mask has 1 entries"):
         samples_to_train_data(_args("--n-samples-per-prompt", "4"), bad)
+
+
+def test_command_line_errors_name_the_flag(capsys):
+    """What slime's parser would refuse, and what this driver needs, is refused where the
+    command line enters (argparse's exit 2, the flag named)."""
+    base = ["--num-rollout", "1", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4"]
+    for argv, flag in (
+        (base, "--custom-rm-path"),
+        ([*base, "--custom-rm-path", "m.f", "--global-batch-size", "5"], "--global-batch-size"),
+        ([*base, "--custom-rm-path", "m.f", "--rollout-num-gpus", "3",
+          "--rollout-num-gpus-per-engine", "2"], "--rollout-num-gpus"),
+        ([*base, "--custom-rm-path", "m.f", "--update-weight-transport", "disk"],
+         "--update-weight-disk-dir"),
+        ([*base, "--custom-rm-path", "m.f", "--not-a-slime-flag", "1"], "--not-a-slime-flag"),
+    ):  # fmt: skip
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
+        assert flag in capsys.readouterr().err
