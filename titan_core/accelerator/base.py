@@ -118,8 +118,10 @@ class Accelerator(ABC):
 
     # ---- capabilities and communication ------------------------------------------------
     def supports(self, capability: str) -> bool:
-        """Capabilities: requires_cpu_initialization, fused_kernels, transformer_engine,
-        deep_ep, ipc_handles, pin_memory, fp8, batched_p2p (batched isend/irecv is safe)."""
+        """Capabilities: requires_cpu_initialization, fused_kernels (Apex's persistent
+        LayerNorm and fused masked softmax, which megatron's local layer spec asserts on when
+        asked for without Apex), transformer_engine, deep_ep, ipc_handles, pin_memory, fp8,
+        batched_p2p (batched isend/irecv is safe)."""
         return False
 
     def autocast(self, dtype: torch.dtype | None = None, enabled: bool = True) -> Any:

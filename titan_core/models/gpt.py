@@ -111,8 +111,10 @@ def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> Transfo
         perform_initialization=True,
         gradient_accumulation_fusion=False,
         bias_activation_fusion=False if on_cpu else m.swiglu,
-        masked_softmax_fusion=not on_cpu,
-        persist_layer_norm=not on_cpu,
+        # Apex kernels: megatron's local spec asserts when they are asked for without Apex
+        # (first seen on an H200 with neither Apex nor Transformer Engine installed)
+        masked_softmax_fusion=accel.supports("fused_kernels"),
+        persist_layer_norm=accel.supports("fused_kernels"),
         apply_rope_fusion=False,
         bias_dropout_fusion=not on_cpu,
         cross_entropy_loss_fusion=False,

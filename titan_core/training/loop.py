@@ -20,7 +20,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from titan_core.accelerator import Accelerator
+from titan_core.accelerator import Accelerator, get_accelerator
 from titan_core.checkpoint import (
     latest_iteration,
     load_checkpoint,
@@ -144,12 +144,18 @@ def make_eval_step(device: torch.device):  # noqa: ANN201
     return eval_step
 
 
+def _collective_device() -> torch.device:
+    """Where the default process group can reduce: the accelerator (NCCL/MCCL take device
+    tensors only), or the CPU under gloo."""
+    return get_accelerator().device()
+
+
 def _reduce_eval(records: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Mean eval loss over microbatches and exact-match accuracy, the same on every rank."""
     reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
         parallel_state.get_tensor_model_parallel_rank() == 0
     )
-    value = torch.zeros(4, dtype=torch.float64)
+    value = torch.zeros(4, dtype=torch.float64, device=_collective_device())
     if reporter and records:
         value[0] = sum(float(r["eval loss"]) for r in records)
         value[1] = len(records)
@@ -168,9 +174,9 @@ def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and (
         parallel_state.get_tensor_model_parallel_rank() == 0
     )
-    value = torch.zeros(2, dtype=torch.float64)
+    value = torch.zeros(2, dtype=torch.float64, device=_collective_device())
     if reporter and losses:
-        value[0] = torch.stack([x["lm loss"].double().cpu() for x in losses]).mean()
+        value[0] = torch.stack([x["lm loss"].double().to(value.device) for x in losses]).mean()
         value[1] = 1.0
     if dist.is_initialized():
         dist.all_reduce(value)
