@@ -16,6 +16,7 @@ from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import PretrainConfig
 
 EXIT_CONFIG_ERROR = 2
+EXIT_CHECKPOINT_ERROR = 1
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(cfg: PretrainConfig) -> int:
     """Train with a validated config; returns the process exit code."""
     warnings.filterwarnings("ignore", module="megatron")
+    from titan_core.checkpoint import CheckpointError
     from titan_core.parallel.initialize import initialize, shutdown
     from titan_core.training.loop import Trainer
 
@@ -65,6 +67,9 @@ def run(cfg: PretrainConfig) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except CheckpointError as e:  # damaged files to restore, a full disk: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_CHECKPOINT_ERROR
     finally:
         shutdown()
     return 0

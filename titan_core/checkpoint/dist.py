@@ -9,13 +9,18 @@ global shape and offset, so a checkpoint saved at TP=2 loads at TP=1 (or any PP/
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from titan_core.checkpoint.verify import CheckpointError, damage, describe
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -24,20 +29,60 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def _iterations(root: Path) -> list[int]:
+    return sorted(
+        int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()
+    )
+
+
 def latest_iteration(root: str | Path | None) -> int | None:
-    """The newest complete checkpoint's iteration under ``root``, or None."""
+    """The newest complete, readable checkpoint's iteration under ``root``, or None.
+
+    The tracker file names the newest complete save. If that iteration is damaged (a shard
+    truncated, a file missing or unreadable: see ``verify.damage``), the newest older
+    iteration that passes the same checks is used instead, with a warning naming the
+    damaged one and why: a preempted job restarted unattended goes on from its last good
+    save. If none passes, :class:`CheckpointError` names each problem. A tracker that does
+    not hold an iteration number is refused.
+    """
     if root is None:
         return None
-    tracker = Path(root) / TRACKER
+    root = Path(root)
+    tracker = root / TRACKER
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
     if not text.isdigit():
-        raise ValueError(f"{tracker} should hold an iteration number, not {text!r}")
-    iteration = int(text)
-    if not iteration_dir(root, iteration).is_dir():
-        raise FileNotFoundError(f"{tracker} names iteration {iteration} but its folder is missing")
-    return iteration
+        raise CheckpointError(
+            f"{tracker} should hold an iteration number, not {text[:80]!r}; write the newest "
+            f"complete iteration's number into it or remove the folder {root}"
+        )
+    newest = int(text)
+    problems = []
+    for iteration in [newest, *reversed([i for i in _iterations(root) if i < newest])]:
+        why = damage(iteration_dir(root, iteration))
+        if why is None:
+            if problems:
+                _warn(
+                    f"checkpoint {root}: using iteration {iteration}, the newest that can be "
+                    f"loaded; skipped {'; '.join(problems)}"
+                )
+            return iteration
+        problems.append(f"iteration {iteration}: {why}")
+    raise CheckpointError(
+        f"no loadable checkpoint under {root}: {'; '.join(problems)}. Restore the files, or "
+        "remove the folder to start afresh"
+    )
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, CheckpointWarning, stacklevel=3)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped for an older one."""
 
 
 #: the sharded keys whose first dimension is the (padded) vocabulary
@@ -112,7 +157,20 @@ def save_checkpoint(
     _barrier()
     state = _full_state(model, optimizer, is_loading=False)
     state["common"] = common
-    dist_checkpointing.save(state, str(path))
+    try:
+        dist_checkpointing.save(state, str(path))
+    except Exception as e:
+        os_error = _os_error(e)
+        if os_error is None:
+            raise
+        # the partial folder would hold the space a retry needs, and is never loaded
+        shutil.rmtree(path, ignore_errors=True)
+        what = "no space left on the device" if os_error.errno == errno.ENOSPC else os_error
+        raise CheckpointError(
+            f"saving iteration {iteration} to {path} failed: {what}; the partial folder was "
+            f"removed, the previous checkpoint under {root} is intact. Free space there (or "
+            "set checkpoint.keep_last lower, or checkpoint.dir elsewhere) and resume"
+        ) from e
     _barrier()
     if _rank() == 0:
         tmp = Path(root) / f".{TRACKER}.tmp"
@@ -124,11 +182,18 @@ def save_checkpoint(
     return path
 
 
+def _os_error(e: BaseException | None) -> OSError | None:
+    """The OSError behind ``e`` (dist_checkpointing wraps the writers' errors)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError):
+            return e
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
 def _prune(root: Path, keep_last: int, current: int) -> None:
-    iters = sorted(
-        int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and p.is_dir()
-    )
-    complete = [i for i in iters if i <= current]
+    complete = [i for i in _iterations(root) if i <= current]
     for i in complete[:-keep_last]:
         shutil.rmtree(iteration_dir(root, i), ignore_errors=True)
 
@@ -170,7 +235,14 @@ def load_checkpoint(
         allocate_optimizer_state(optimizer)
     state = _full_state(model, optimizer, is_loading=True)
     state["common"] = {}
-    loaded = dist_checkpointing.load(state, str(path))
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except Exception as e:  # damage the cheap checks before the load could not see
+        raise CheckpointError(
+            f"could not load iteration {iteration} from {path}: {_load_error(e)}. If the "
+            f"files are damaged, restore them, or move {path.name} aside and update "
+            f"{Path(root) / TRACKER} to the previous iteration"
+        ) from None
     if len(model) == 1:
         unwrap(model[0]).load_state_dict(loaded["model"])
     else:
@@ -179,6 +251,13 @@ def load_checkpoint(
     if optimizer is not None:
         load_optimizer_state(optimizer, loaded["optimizer"])
     return loaded.get("common", {})
+
+
+def _load_error(e: BaseException) -> str:
+    inner = e
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    return describe(inner)
 
 
 def load_optimizer_state(optimizer: Any, state: Any) -> None:
