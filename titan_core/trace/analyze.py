@@ -21,13 +21,14 @@ from typing import Any
 
 from titan_core.trace.breakdown import RankResult, analyze_rank
 from titan_core.trace.categories import TraceConfig, busbw_factor
+from titan_core.trace.clock import clock_offsets
 from titan_core.trace.critical_path import analyze_steps
 from titan_core.trace.forked import Forked
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
 from titan_core.trace.parse import TraceError, find_trace_files, gc_paused, load_cached
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
-from titan_core.trace.stragglers import clock_offsets, slow_ranks
+from titan_core.trace.stragglers import slow_ranks
 
 
 def _work(
@@ -256,7 +257,7 @@ def build_summary(
     """The cross-rank analyses; the returned dict is what ``summary.json`` holds."""
     groups = pipeline_groups(results, pp) if results else []
     resolve_peers(results, groups)
-    keys = op_keys(results)
+    keys = op_keys(results, groups)
     parts = participants(keys)
     offsets = clock_offsets(results, parts)
     peer_class: dict[int, Any] = {}
@@ -264,7 +265,7 @@ def build_summary(
         for s, rank in enumerate(g):
             peer_class[rank] = s
     slow = slow_ranks(results, parts, offsets, peer_class)
-    pipe = pipeline_report(results, groups)
+    pipe = pipeline_report(results, groups, offsets)
     # what-if candidates: the slow ranks, else the slowest computing ranks
     cands = [e["rank"] for e in slow[:4]]
     if not cands and results:

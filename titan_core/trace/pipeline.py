@@ -9,6 +9,7 @@ P2P traffic itself (connected ranks, ordered by rank).
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from titan_core.trace.breakdown import RankResult
@@ -129,54 +130,73 @@ def _union_length(intervals: list[tuple[int, int]], lo: int, hi: int) -> int:
     return total
 
 
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One rank's step on the common clock (its clock offset subtracted)."""
+
+    start: int
+    end: int
+    computation: int
+    microbatches: list[tuple[int, int]]
+
+
+def _on_common_clock(r: RankResult, offset: float) -> dict[int, _Step]:
+    o = round(offset)
+    return {
+        s.step: _Step(
+            s.start - o, s.end - o, s.computation, [(a - o, b - o) for *_, a, b in s.microbatches]
+        )
+        for s in r.steps
+    }
+
+
 def _schedule_windows(
-    members: list[RankResult], windows: dict[int, tuple[int, int]]
+    members: list[dict[int, _Step]], steps: set[int]
 ) -> dict[int, tuple[int, int]]:
     """Per step: the span of all members' microbatch ranges, where every member has some."""
     out = {}
-    for n in windows:
-        spans = []
-        for r in members:
-            mbs = [(a, b) for s in r.steps if s.step == n for *_, a, b in s.microbatches]
-            if not mbs:
-                break
-            spans.extend(mbs)
-        else:
+    for n in steps:
+        spans = [ab for m in members for ab in m[n].microbatches]
+        if all(m[n].microbatches for m in members):
             out[n] = (min(a for a, _ in spans), max(b for _, b in spans))
     return out
 
 
-def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[str, Any]:
+def pipeline_report(
+    results: list[RankResult], groups: list[list[int]], offsets: dict[int, float] | None = None
+) -> dict[str, Any]:
+    """Bubbles per stage. Windows span several ranks, so each rank's times are first put on
+    a common clock with ``offsets`` (:func:`titan_core.trace.clock.clock_offsets`; the
+    step windows reported are on that clock)."""
+    offsets = offsets or {}
     by_rank = {r.rank: r for r in results}
     out_groups = []
     for g in groups:
-        members = [by_rank[r] for r in g if r in by_rank]
-        if len(members) < 2:
+        ranks = [by_rank[r] for r in g if r in by_rank]
+        if len(ranks) < 2:
             continue
-        m, v = _microbatch_count(members[0])
-        steps_common = set.intersection(*[{s.step for s in r.steps} for r in members])
-        windows = {}
-        for n in steps_common:
-            lo = min(s.start for r in members for s in r.steps if s.step == n)
-            hi = max(s.end for r in members for s in r.steps if s.step == n)
-            windows[n] = (lo, hi)
+        m, v = _microbatch_count(ranks[0])
+        members = [_on_common_clock(r, offsets.get(r.rank, 0.0)) for r in ranks]
+        steps_common = set.intersection(*[set(x) for x in members])
+        windows = {
+            n: (min(x[n].start for x in members), max(x[n].end for x in members))
+            for n in steps_common
+        }
         # With Titan's microbatch ranges, the bubble is measured over the schedule itself
         # (first microbatch start to last microbatch end across the group), as the
         # schedule's theoretical ratio counts it; the whole-step figure stays beside it.
-        sched = _schedule_windows(members, windows)
+        sched = _schedule_windows(members, steps_common)
         stages = []
-        for si, r in enumerate(members):
+        for si, (r, steps) in enumerate(zip(ranks, members, strict=True)):
             ratios, step_ratios, bubble = [], [], 0
-            for s in r.steps:
-                if s.step not in windows:
-                    continue
-                lo, hi = windows[s.step]
-                step_idle = (hi - lo) - s.computation
+            for n in sorted(steps_common):
+                st = steps[n]
+                lo, hi = windows[n]
+                step_idle = (hi - lo) - st.computation
                 step_ratios.append(step_idle / max(1, hi - lo))
-                if s.step in sched:
-                    slo, shi = sched[s.step]
-                    busy = _union_length([(a, b) for *_, a, b in s.microbatches], slo, shi)
-                    idle = (shi - slo) - busy
+                if n in sched:
+                    slo, shi = sched[n]
+                    idle = (shi - slo) - _union_length(st.microbatches, slo, shi)
                     ratios.append(idle / max(1, shi - slo))
                 else:
                     idle = step_idle
@@ -189,9 +209,7 @@ def pipeline_report(results: list[RankResult], groups: list[list[int]]) -> dict[
                     "bubble_ratio": round(mean(ratios), 4) if ratios else None,
                     "step_bubble_ratio": round(mean(step_ratios), 4) if step_ratios else None,
                     "bubble_us": int(bubble / max(1, len(ratios))),
-                    "compute_us": int(
-                        mean([s.computation for s in r.steps if s.step in windows] or [0])
-                    ),
+                    "compute_us": int(mean([steps[n].computation for n in steps_common] or [0])),
                 }
             )
         theory = theoretical_bubble(len(g), m, v)

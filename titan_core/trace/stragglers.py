@@ -1,10 +1,5 @@
-"""Slow ranks: late arrival at collectives (after clock-offset correction) and compute
-outliers per step.
-
-Clock offsets: members of a collective finish it at (nearly) the same true time, so each
-rank's offset is the median, over its collectives and P2P transfers, of how much later its
-end timestamps are than the median end of the other members.
-"""
+"""Slow ranks: late arrival at collectives (after clock-offset correction, see
+:mod:`titan_core.trace.clock`) and compute outliers per step."""
 
 from __future__ import annotations
 
@@ -14,34 +9,6 @@ from typing import Any
 from titan_core.trace.breakdown import RankResult
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import Key
-
-
-def clock_offsets(
-    results: list[RankResult], parts: dict[Key, list[tuple[int, int]]]
-) -> dict[int, float]:
-    by_rank = {r.rank: r for r in results}
-    offsets = {r.rank: 0.0 for r in results}
-    # collectives end together on all members; P2P sides only roughly, so they are used
-    # only for ranks that share no collective
-    in_coll = {r for k, m in parts.items() if k[0] == "c" and len(m) > 1 for r, _ in m}
-    for _ in range(3):
-        resid: dict[int, list[float]] = defaultdict(list)
-        for key, members in parts.items():
-            if len(members) < 2:
-                continue
-            if key[0] != "c" and all(r in in_coll for r, _ in members):
-                continue
-            ends = [by_rank[r].comm_ops[i].end - offsets[r] for r, i in members]
-            med = median(ends)
-            for (r, _), e in zip(members, ends, strict=True):
-                resid[r].append(e - med)
-        if not resid:
-            break
-        for r, v in resid.items():
-            offsets[r] += median(v)
-        shift = median(list(offsets.values()))
-        offsets = {r: o - shift for r, o in offsets.items()}
-    return offsets
 
 
 def late_arrivals(

@@ -4,12 +4,14 @@ Used by the tests (bubbles, slow rank and critical path known by construction) a
 ``bench/trace_scale.py``. Each rank runs a 1F1B schedule (warm-up forwards, steady 1F1B,
 cool-down backwards) with one NCCL P2P kernel per transfer, a data-parallel all-reduce at
 the end of the step, ProfilerStep ranges and Titan's microbatch ranges; ``filler`` adds
-realistic numbers of small compute kernels (with their launches) per microbatch.
+realistic numbers of small compute kernels (with their launches) per microbatch,
+``clock_skew`` a known clock offset per rank, ``p2p_jitter`` uneven transfer times.
 """
 
 from __future__ import annotations
 
 import gzip
+import random
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +34,24 @@ def _schedule(p: int, m: int, s: int) -> list[tuple[str, int]]:
 
 
 def simulate(
-    pp: int, dp: int, m: int, steps: int, t_fwd: float, slow: dict[int, float] | None = None
+    pp: int,
+    dp: int,
+    m: int,
+    steps: int,
+    t_fwd: float,
+    slow: dict[int, float] | None = None,
+    p2p_jitter: float = 0.0,
+    seed: int = 0,
 ) -> dict[int, list[dict[str, Any]]]:
-    """Event-level simulation: per rank the list of (kind, start, end, ...) segments."""
+    """Event-level simulation: per rank the list of (kind, start, end, ...) segments.
+    Each P2P transfer takes 20 us plus a uniform draw from [0, ``p2p_jitter``)."""
     slow = slow or {}
-    t_p2p, t_ar = 20.0, 500.0
+    rng = random.Random(seed)
+    t_ar = 500.0
+
+    def p2p_time() -> float:
+        return 20.0 + (rng.uniform(0.0, p2p_jitter) if p2p_jitter else 0.0)
+
     world = pp * dp
     out: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
     t0 = 1_000_000.0
@@ -47,6 +62,7 @@ def simulate(
             ranks = [d + k * dp for k in range(pp)]
             fwd_done: dict[tuple[int, int], float] = {}
             bwd_done: dict[tuple[int, int], float] = {}
+            xfer: dict[tuple[str, int, int], float] = {}  # (phase, sender stage, mb) -> time
             clock = {s: t0 for s in range(pp)}
             scheds = {s: _schedule(pp, m, s) for s in range(pp)}
             ptr = {s: 0 for s in range(pp)}
@@ -64,6 +80,7 @@ def simulate(
                         ready = fwd_done.get((s - 1, mb), t0) if s > 0 else clock[s]
                         if s > 0:
                             rs = clock[s]
+                            t_p2p = xfer[("fwd", s - 1, mb)]
                             out[r].append(
                                 {
                                     "k": "recv",
@@ -79,6 +96,7 @@ def simulate(
                         out[r].append({"k": "fwd", "mb": mb, "ts": a, "end": b, "step": step})
                         clock[s] = b
                         if s < pp - 1:
+                            t_p2p = xfer[("fwd", s, mb)] = p2p_time()
                             out[r].append(
                                 {
                                     "k": "send",
@@ -96,6 +114,7 @@ def simulate(
                         if s < pp - 1:
                             ready = bwd_done[(s + 1, mb)]
                             rs = clock[s]
+                            t_p2p = xfer[("bwd", s + 1, mb)]
                             out[r].append(
                                 {
                                     "k": "recv",
@@ -111,6 +130,7 @@ def simulate(
                         out[r].append({"k": "bwd", "mb": mb, "ts": a, "end": b, "step": step})
                         clock[s] = b
                         if s > 0:
+                            t_p2p = xfer[("bwd", s, mb)] = p2p_time()
                             out[r].append(
                                 {
                                     "k": "send",
@@ -161,10 +181,14 @@ def write_job(
     clock_skew: dict[int, float] | None = None,
     gz: bool = True,
     cpu: bool = False,
+    p2p_jitter: float = 0.0,
+    seed: int = 0,
 ) -> dict[int, list[dict[str, Any]]]:
     """Write one trace per rank; ``filler`` small kernels (with launches) per microbatch
-    phase make the per-rank event count realistic. Returns the simulated segments."""
-    sim = simulate(pp, dp, m, steps, t_fwd, slow)
+    phase make the per-rank event count realistic; ``clock_skew`` (us per rank) is added
+    to all of a rank's timestamps; ``p2p_jitter`` and ``seed``: see :func:`simulate`.
+    Returns the simulated segments (on the true clock, without the skew)."""
+    sim = simulate(pp, dp, m, steps, t_fwd, slow, p2p_jitter, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     world = pp * dp
