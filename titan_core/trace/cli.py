@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         write_report(summary, results, out / "report.html")
     for p in problems:
         print(f"skipped {p['file']}: {p['reason']}", file=sys.stderr)
-    _print_summary(summary, time.perf_counter() - t0, out)
+    _print_summary(summary, time.perf_counter() - t0, out, report=not args.no_report)
     return 0 if results else 1
 
 
@@ -67,7 +67,7 @@ def _jsonable(x: object) -> object:
     raise TypeError(type(x))
 
 
-def _print_summary(s: dict, secs: float, out: Path) -> None:
+def _print_summary(s: dict, secs: float, out: Path, report: bool) -> None:
     print(f"{s['num_ranks']} ranks analyzed in {secs:.1f}s; {len(s['problems'])} files skipped")
     for r in s["ranks"][:8]:
         k = r["kernel_time_us"]
@@ -87,4 +87,4 @@ def _print_summary(s: dict, secs: float, out: Path) -> None:
         print(
             f"  pipeline {g['ranks']}: bubble ratios [{br}] theory {g['theoretical_bubble_ratio']}"
         )
-    print(f"wrote {out / 'summary.json'}")
+    print(f"wrote {out / 'summary.json'}" + (f" and {out / 'report.html'}" if report else ""))

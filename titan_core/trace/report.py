@@ -1,122 +1,152 @@
-"""Self-contained ``report.html``: tables plus matplotlib pictures embedded as base64 PNGs."""
+"""Self-contained ``report.html``: tables, and pictures as SVG written into the page.
+
+The pictures are drawn by :mod:`titan_core.trace.svg` (text, no plotting library), so the
+report costs milliseconds and opens anywhere without network access.
+"""
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from titan_core.trace import svg
 from titan_core.trace.breakdown import RankResult
 
+#: the four parts of a step, as the breakdown figure stacks them
+_BREAKDOWN = (
+    ("computation_us", "computation", svg.BLUE),
+    ("communication_exposed_us", "communication (exposed)", svg.ORANGE),
+    ("memory_exposed_us", "memory (exposed)", svg.GREEN),
+    ("idle_us", "idle", svg.RED),
+)
+_KIND_COLORS = {"computation": svg.BLUE, "communication": svg.ORANGE, "memory": svg.GREEN}
 
-def _png(fig: Any) -> str:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    import matplotlib.pyplot as plt
 
-    plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+def _breakdown(ranks: list[dict[str, Any]]) -> str:
+    series = [
+        svg.Series(label, color, [sum(st[key] for st in r["steps"]) / 1e3 for r in ranks])
+        for key, label, color in _BREAKDOWN
+    ]
+    return svg.columns(
+        [str(r["rank"]) for r in ranks],
+        series,
+        title="Time breakdown per rank",
+        x_label="rank",
+        y_label="ms (all steps)",
+    )
+
+
+def _pipeline(
+    g: dict[str, Any], step: int, by_rank: dict[int, RankResult], offsets: dict[str, float]
+) -> str:
+    """One lane per stage over the group's step window: compute, bubble, P2P. The window
+    is on the common clock, so each rank's events are moved by its clock offset."""
+    w_lo, w_hi = g["step_windows"][str(step)]
+    lanes: list[list[svg.Mark]] = []
+    for rank in g["ranks"]:
+        o = round(offsets.get(str(rank), 0.0))
+        lo, hi = w_lo + o, w_hi + o  # the window on this rank's clock
+        marks = [svg.Mark(0.0, (hi - lo) / 1e3, svg.RED, "bubble (window)", opacity=0.15)]
+        r = by_rank.get(rank)
+        if r is not None:
+            cs, ce = r.compute_coarse
+            marks += [
+                svg.Mark((max(a, lo) - lo) / 1e3, (min(b, hi) - lo) / 1e3, svg.BLUE, "compute")
+                for a, b in zip(cs, ce, strict=True)
+                if b > lo and a < hi
+            ]
+            marks += [
+                svg.Mark(
+                    (op.ts - lo) / 1e3,
+                    (op.ts + max(op.dur, 1) - lo) / 1e3,
+                    svg.GREEN,
+                    f"P2P {op.collective}",
+                    height=0.3,
+                )
+                for op in r.comm_ops
+                if op.step == step and op.p2p
+            ]
+        lanes.append(marks)
+    return svg.lanes(
+        [f"stage {i} (rank {r})" for i, r in enumerate(g["ranks"])],
+        lanes,
+        (w_hi - w_lo) / 1e3,
+        title=f"Pipeline group timeline, step {step}",
+        x_label=f"ms since step {step} start",
+        unit="ms",
+        legend=[("compute", svg.BLUE), ("bubble", "#f6d5d5"), ("P2P", svg.GREEN)],
+    )
+
+
+def _step_heatmap(ranks: list[dict[str, Any]], steps: list[int]) -> str:
+    col = {s: j for j, s in enumerate(steps)}
+    mat: list[list[float | None]] = []
+    for r in ranks:
+        line: list[float | None] = [None] * len(steps)
+        for st in r["steps"]:
+            line[col[st["step"]]] = st["step_time_us"] / 1e3
+        mat.append(line)
+    return svg.heatmap(
+        [str(r["rank"]) for r in ranks],
+        [str(s) for s in steps],
+        mat,
+        title="Step time, rank x step",
+        x_label="step",
+        y_label="rank",
+        value_label="step time (ms)",
+    )
 
 
 def _figures(s: dict[str, Any], results: list[RankResult]) -> list[tuple[str, str]]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """(title, inline SVG) of each picture the summary has data for."""
     figs = []
     ranks = s["ranks"][:64]
     if ranks:
-        fig, ax = plt.subplots(figsize=(10, 3.5))
-        x = np.arange(len(ranks))
-        bottom = np.zeros(len(ranks))
-        for key, label in (
-            ("computation_us", "computation"),
-            ("communication_exposed_us", "communication (exposed)"),
-            ("memory_exposed_us", "memory (exposed)"),
-            ("idle_us", "idle"),
-        ):
-            v = np.array([sum(st[key] for st in r["steps"]) / 1e3 for r in ranks])
-            ax.bar(x, v, bottom=bottom, label=label)
-            bottom += v
-        ax.set_xticks(x, [str(r["rank"]) for r in ranks], fontsize=7)
-        ax.set_xlabel("rank")
-        ax.set_ylabel("ms (all steps)")
-        ax.legend(fontsize=7)
-        figs.append(("Time breakdown per rank", _png(fig)))
+        figs.append(("Time breakdown per rank", _breakdown(ranks)))
     groups = s["pipeline"]["groups"]
-    by_rank = {r.rank: r for r in results}
-    if groups:
-        g = groups[0]
-        step = g["steps"][-1] if g["steps"] else None
-        if step is not None:
-            lo, hi = g["step_windows"][str(step)]
-            fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(g["ranks"])))
-            for si, rank in enumerate(g["ranks"]):
-                r = by_rank.get(rank)
-                if r is None:
-                    continue
-                cs, ce = (np.asarray(x, dtype=np.int64) for x in r.compute_coarse)
-                m = (ce > lo) & (cs < hi)
-                ax.broken_barh(
-                    [((a - lo) / 1e3, (b - a) / 1e3) for a, b in zip(cs[m], ce[m], strict=True)],
-                    (si - 0.4, 0.8),
-                    color="tab:blue",
-                )
-                ax.broken_barh([(0, (hi - lo) / 1e3)], (si - 0.4, 0.8), color="tab:red", alpha=0.15)
-                for op in r.comm_ops:
-                    if op.step == step and op.p2p:
-                        ax.broken_barh(
-                            [((op.ts - lo) / 1e3, max(op.dur, 1) / 1e3)],
-                            (si - 0.4, 0.25),
-                            color="tab:green",
-                        )
-            ax.set_yticks(
-                range(len(g["ranks"])), [f"stage {i} (rank {r})" for i, r in enumerate(g["ranks"])]
+    if groups and groups[0]["steps"]:
+        g, step = groups[0], groups[0]["steps"][-1]
+        by_rank = {r.rank: r for r in results}
+        figs.append(
+            (
+                f"Pipeline group {g['ranks'][:8]} timeline, step {step}",
+                _pipeline(g, step, by_rank, s.get("clock_offsets_us", {})),
             )
-            ax.invert_yaxis()
-            ax.set_xlabel(f"ms since step {step} start (blue compute, red bubble, green P2P)")
-            figs.append((f"Pipeline group {g['ranks'][:8]} timeline, step {step}", _png(fig)))
+        )
     steps = sorted({st["step"] for r in ranks for st in r["steps"]})
     if ranks and steps:
-        mat = np.full((len(ranks), len(steps)), np.nan)
-        for i, r in enumerate(ranks):
-            for st in r["steps"]:
-                mat[i, steps.index(st["step"])] = st["step_time_us"] / 1e3
-        fig, ax = plt.subplots(figsize=(6, 0.5 + 0.12 * len(ranks) + 1))
-        im = ax.imshow(mat, aspect="auto", cmap="viridis")
-        fig.colorbar(im, ax=ax, label="step time (ms)")
-        ax.set_xticks(range(len(steps)), [str(x) for x in steps], fontsize=7)
-        ax.set_yticks(range(len(ranks)), [str(r["rank"]) for r in ranks], fontsize=6)
-        ax.set_xlabel("step")
-        ax.set_ylabel("rank")
-        figs.append(("Step time, rank x step", _png(fig)))
+        figs.append(("Step time, rank x step", _step_heatmap(ranks, steps)))
     if s["top_kernels"]:
-        top = s["top_kernels"][:15][::-1]
-        fig, ax = plt.subplots(figsize=(10, 0.4 * len(top) + 1))
-        colors = {"computation": "tab:blue", "communication": "tab:orange", "memory": "tab:green"}
-        ax.barh(
-            [k["name"][:70] for k in top],
-            [k["sum_us"] / 1e3 for k in top],
-            color=[colors.get(k["kind"], "gray") for k in top],
+        top = s["top_kernels"][:15]
+        figs.append(
+            (
+                "Top kernels",
+                svg.hbars(
+                    [k["name"] for k in top],
+                    [k["sum_us"] / 1e3 for k in top],
+                    [_KIND_COLORS.get(k["kind"], svg.GRAY) for k in top],
+                    title="Top kernels",
+                    x_label="total ms (all ranks)",
+                    legend=list(_KIND_COLORS.items()),
+                ),
+            )
         )
-        ax.tick_params(axis="y", labelsize=6)
-        ax.set_xlabel("total ms (all ranks)")
-        figs.append(("Top kernels", _png(fig)))
     comm = [c for c in s["communication"] if c["median_busbw_GBps"]][:12]
     if comm:
-        fig, ax = plt.subplots(figsize=(10, 3))
-        ax.bar(
-            [f"{c['collective']}\n{c['process_group'][:18]}" for c in comm],
-            [c["median_busbw_GBps"] for c in comm],
+        figs.append(
+            (
+                "Communication bandwidth by collective",
+                svg.hbars(
+                    [f"{c['collective']} {c['process_group']}" for c in comm],
+                    [c["median_busbw_GBps"] for c in comm],
+                    [svg.BLUE] * len(comm),
+                    title="Communication bandwidth by collective",
+                    x_label="median bus bandwidth (GB/s)",
+                    label_chars=40,
+                ),
+            )
         )
-        ax.tick_params(axis="x", labelsize=6)
-        ax.set_ylabel("median bus bandwidth (GB/s)")
-        figs.append(("Communication bandwidth by collective", _png(fig)))
     return figs
 
 
@@ -130,17 +160,18 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 
 def write_report(summary: dict[str, Any], results: list[RankResult], path: str | Path) -> None:
-    """Write the HTML report (no external files or scripts)."""
+    """Write the HTML report: one file, no scripts, nothing fetched."""
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>Titan trace report</title>",
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:12px}"
-        "td,th{border:1px solid #ccc;padding:2px 6px}img{max-width:100%}</style></head><body>",
+        "td,th{border:1px solid #ccc;padding:2px 6px}svg{max-width:100%;height:auto}"
+        "</style></head><body>",
         f"<h1>Titan trace analysis: {summary['num_ranks']} ranks</h1>",
     ]
     if summary["problems"]:
         parts.append("<h2>Skipped files</h2>" + _table(summary["problems"], ["file", "reason"]))
-    for title, src in _figures(summary, results):
-        parts.append(f"<h2>{html.escape(title)}</h2><img src='{src}'>")
+    for title, picture in _figures(summary, results):
+        parts.append(f"<h2>{html.escape(title)}</h2>{picture}")
     parts.append("<h2>Slow ranks</h2>")
     parts.append(
         _table(
@@ -195,4 +226,4 @@ def write_report(summary: dict[str, Any], results: list[RankResult], path: str |
         )
     )
     parts.append("</body></html>")
-    Path(path).write_text("\n".join(parts))
+    Path(path).write_text("\n".join(parts), encoding="utf-8")
