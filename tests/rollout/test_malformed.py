@@ -69,7 +69,7 @@ CASES = [
     ("/generate", _gen(logprob_start_len=10), 400, "logprob_start_len"),
     ("/generate", b"x" * (2 << 20), 413, "exceeds the limit"),
     ("/update_weights_from_disk", {}, 400, "model_path"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "does not exist"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, 400, "cannot load weights"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, 400, "base64"),
     ("/update_weights_from_tensor", {"serialized_named_tensors": "abc"}, 400, "wrong type"),
     (

@@ -8,6 +8,8 @@ import os
 import sys
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+#: file descriptors kept for the model, logs and the weight-sync transports beyond connections
+_SPARE_FDS = 256
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +31,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=16384,
+        help="sequences (a batch's prompts x n) that may wait for a running slot; above it "
+        "/generate answers 503 (as SGLang's flag; default 16384)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="open HTTP connections; above it a new one is answered 503 and closed",
+    )
+    p.add_argument(
+        "--request-read-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a connection has to send a whole request (headers and body) once it "
+        "starts one; slower ones are answered 408 and closed",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection is kept between requests (uvicorn's)",
+    )
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
@@ -57,6 +85,11 @@ def validate(args: argparse.Namespace) -> None:
         )
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port {args.port} is not a TCP port")
+    for flag in ("max_queued_requests", "max_connections", "timeout_keep_alive"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if not args.request_read_timeout > 0:
+        raise SystemExit("--request-read-timeout must be a positive number of seconds")
     if not os.path.isdir(args.model_path):
         raise SystemExit(
             f"--model-path {args.model_path!r} is not a local directory (the engine never downloads)"
@@ -69,14 +102,41 @@ def validate(args: argparse.Namespace) -> None:
         )
 
 
+def fit_connections_to_fd_limit(max_connections: int) -> int:
+    """Raise the soft open-file limit so ``max_connections`` fit (as SGLang's ``set_ulimit``);
+    where the hard limit is lower, lower the cap with a warning instead."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + _SPARE_FDS
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft != resource.RLIM_INFINITY and soft < need:
+        fitted = max(1, soft - _SPARE_FDS)
+        print(
+            f"warning: the open-file limit is {soft}; serving at most {fitted} connections "
+            f"instead of --max-connections {max_connections} (raise it with ulimit -n)",
+            file=sys.stderr,
+        )
+        return fitted
+    return max_connections
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     validate(args)
+    max_connections = fit_connections_to_fd_limit(args.max_connections)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     import uvicorn
 
+    from titan_rl.engine.connections import guarded_protocol
     from titan_rl.engine.core import Engine
     from titan_rl.engine.server import create_app
 
@@ -91,6 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             weight_version=args.weight_version,
             random_seed=args.random_seed,
             load_tokenizer=not args.skip_tokenizer_init,
+            max_queued_requests=args.max_queued_requests,
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -107,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=guarded_protocol(args.request_read_timeout, max_connections),
+        ws="none",  # no WebSocket routes: an upgrade request is served as plain HTTP
     )
     engine.shutdown()
 

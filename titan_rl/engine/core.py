@@ -6,6 +6,10 @@ together (no padding), and its KV cache is merged into the running batch, which 
 left-padded with a 2D attention mask and explicit per-row position ids. Every decode step
 runs all active requests in one forward. Rows leave as they finish; columns that are padding
 for every remaining row are trimmed.
+
+Waiting requests are admitted fairly (deficit round-robin, :data:`FAIR_QUANTUM` sequences a
+turn), so a short request waits for a turn per queued request, not behind all their sequences;
+the queue holds at most ``max_queued_requests`` sequences (then :class:`QueueFullError`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,22 @@ SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 #: without these the engine cannot generate
 SERVING_TAGS = frozenset({"weights", "kv_cache"})
+#: sequences a waiting request may have admitted per round-robin turn: a prompt's n copies
+#: (GRPO groups of up to 16) usually start together, and no request waits for more than
+#: this many sequences of each request queued before it
+FAIR_QUANTUM = 16
+
+
+class QueueFullError(Exception):
+    """The pending queue is full (``max_queued_requests``); the caller may retry later."""
+
+
+@dataclass
+class _Waiting:
+    """A submitted request's sequences not yet admitted, and what is left of its turn."""
+
+    seqs: deque[Sequence]
+    credit: int = 0
 
 
 @dataclass
@@ -95,6 +115,7 @@ class Engine:
         weight_version: str = "default",
         random_seed: int = 0,
         load_tokenizer: bool = True,
+        max_queued_requests: int | None = None,
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -132,6 +153,8 @@ class Engine:
         self.context_length = int(context_length or limit or 4096)
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        #: bound of the pending queue in sequences (as SGLang counts a batch's or n's items)
+        self.max_queued = max_queued_requests
         self.weight_version = weight_version
         self.eos_ids = self._eos_ids()
         self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
@@ -140,7 +163,8 @@ class Engine:
         self._param_names = set(self._targets) - set(self._fused.values())
         self._default_gen = torch.Generator().manual_seed(random_seed)
 
-        self._pending: deque[Sequence] = deque()
+        self._pending: deque[_Waiting] = deque()  # round-robin order
+        self._num_pending = 0
         self._commands: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -233,16 +257,31 @@ class Engine:
         )
 
     def submit(self, seqs: list[Sequence]) -> None:
-        """Queue sequences; each one's ``on_done`` is called on the engine thread when it ends."""
+        """Queue one request's sequences; each one's ``on_done`` is called on the engine
+        thread when it ends. Raises :class:`QueueFullError` when the queue has no room."""
+        if not seqs:
+            return
+        limit = self.max_queued
+        if limit is not None and len(seqs) > limit:
+            raise RequestError(
+                f"the request holds {len(seqs)} sequences but the engine queues at most {limit} "
+                "(--max-queued-requests); split it into smaller requests"
+            )
         with self._lock:
             for s in seqs:
                 if s.rid in self._rids:
                     raise RequestError(
                         f"request id {s.rid!r} is already running; rids must be unique"
                     )
+            if limit is not None and self._num_pending + len(seqs) > limit:
+                raise QueueFullError(
+                    f"the engine's queue holds {self._num_pending} waiting sequences and takes "
+                    f"at most {limit} (--max-queued-requests); retry later"
+                )
             for s in seqs:
                 self._rids.add(s.rid)
-                self._pending.append(s)
+            self._pending.append(_Waiting(deque(seqs)))
+            self._num_pending += len(seqs)
         self._wake.set()
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -256,6 +295,11 @@ class Engine:
         with self._lock:
             return len(self._rids)
 
+    def num_queued(self) -> int:
+        """Sequences waiting to be admitted."""
+        with self._lock:
+            return self._num_pending
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -268,16 +312,18 @@ class Engine:
         """Finish matching running or queued sequences with an ``abort`` finish reason."""
         n = 0
         with self._lock:
-            kept = deque()
-            while self._pending:
-                s = self._pending.popleft()
-                if abort_all or _rid_matches(s.rid, rid):
-                    s.finish_reason = {"type": "abort", "message": message}
-                    self._finish(s)
-                    n += 1
-                else:
-                    kept.append(s)
-            self._pending = kept
+            for waiting in self._pending:
+                kept: deque[Sequence] = deque()
+                for s in waiting.seqs:
+                    if abort_all or _rid_matches(s.rid, rid):
+                        s.finish_reason = {"type": "abort", "message": message}
+                        self._finish(s)
+                        n += 1
+                    else:
+                        kept.append(s)
+                waiting.seqs = kept
+            self._pending = deque(w for w in self._pending if w.seqs)
+            self._num_pending = sum(len(w.seqs) for w in self._pending)
         keep = []
         for i, s in enumerate(self.active):
             if abort_all or _rid_matches(s.rid, rid):
@@ -350,10 +396,29 @@ class Engine:
                 log.exception("on_done callback failed")
 
     # ---- prefill --------------------------------------------------------------------------
+    def _take(self, room: int) -> list[Sequence]:
+        """Up to ``room`` waiting sequences, deficit round-robin over requests (lock held):
+        the request in front takes up to :data:`FAIR_QUANTUM`, then goes to the back; one cut
+        short by the room keeps the rest of its turn for the next admission."""
+        taken: list[Sequence] = []
+        while room > 0 and self._pending:
+            waiting = self._pending[0]
+            if waiting.credit == 0:
+                waiting.credit = FAIR_QUANTUM
+            k = min(room, waiting.credit, len(waiting.seqs))
+            taken.extend(waiting.seqs.popleft() for _ in range(k))
+            waiting.credit -= k
+            room -= k
+            if not waiting.seqs:
+                self._pending.popleft()
+            elif waiting.credit == 0:
+                self._pending.rotate(-1)
+        self._num_pending -= len(taken)
+        return taken
+
     def _admit(self) -> None:
         with self._lock:
-            room = self.max_running - len(self.active)
-            taken = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+            taken = self._take(self.max_running - len(self.active))
         if not taken:
             return
         groups: dict[int, list[Sequence]] = {}
@@ -692,4 +757,4 @@ def sequence_result(s: Sequence) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Engine", "Sequence", "sequence_result"]
+__all__ = ["Engine", "QueueFullError", "Sequence", "sequence_result"]

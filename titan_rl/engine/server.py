@@ -20,8 +20,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from titan_rl.engine.core import MEMORY_TAGS, Engine, Sequence, sequence_result
+from titan_rl.engine.core import MEMORY_TAGS, Engine, QueueFullError, Sequence, sequence_result
 from titan_rl.engine.sampling import RequestError, parse_sampling_params
 from titan_rl.engine.weights import (
     decode_tensor_payload,
@@ -76,11 +77,14 @@ async def _read_json(request: Request, limit: int) -> dict[str, Any]:
         except ValueError:
             raise HTTPError(400, "invalid Content-Length header") from None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or closed by the read timeout (titan_rl.engine.connections)
+        raise HTTPError(408, "the connection closed before the request body arrived") from None
     body = b"".join(chunks)
     if not body.strip():
         return {}
@@ -162,6 +166,10 @@ def create_app(
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return _error(400, str(exc))
+
+    @app.exception_handler(QueueFullError)
+    async def _queue_full(request: Request, exc: QueueFullError) -> JSONResponse:
+        return _error(503, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -250,6 +258,8 @@ def create_app(
                 "dp_size": 1,
                 "context_length": engine.context_length,
                 "max_running_requests": engine.max_running,
+                "max_queued_requests": engine.max_queued,
+                "num_queued_reqs": engine.num_queued(),
                 "skip_tokenizer_init": engine.tokenizer is None,
                 "num_running_reqs": engine.num_running(),
                 "paused": engine.paused,
@@ -370,8 +380,6 @@ def create_app(
             tensors = await asyncio.to_thread(load_safetensors_dir, path)
         except RequestError as e:
             return _fail(str(e))
-        except Exception as e:
-            return _fail(f"could not read weights from {path!r}: {type(e).__name__}: {e}")
         missing = engine.missing_params(set(tensors))
         tied = getattr(engine.config, "tie_word_embeddings", False)
         if tied:

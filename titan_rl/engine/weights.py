@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import logging
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 
 from titan_rl.engine.sampling import RequestError
+
+log = logging.getLogger("titan_rl.engine.weights")
 
 
 @dataclass
@@ -205,24 +208,35 @@ def decode_tensor_payload(b64: str, load_format: str | None) -> list[tuple[str, 
 
 
 def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint directory (or a single file)."""
+    """All tensors of an HF safetensors checkpoint directory (or a single file).
+
+    Every failure (missing, unreadable, no ``*.safetensors``, corrupt) answers the same
+    message, so a client cannot probe which paths exist on the host; the reason is logged.
+    """
     from safetensors.torch import load_file
 
-    p = Path(path)
-    if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-    else:
-        raise RequestError(f"model_path {str(p)!r} does not exist on the engine's host")
-    if not files:
-        raise RequestError(
-            f"no *.safetensors files in {str(p)!r}; save with safe_serialization=True"
+    try:
+        p = Path(path)
+        files: list[Path] = []
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError("not a safetensors file or a directory holding some")
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            out.update(load_file(str(f)))
+        return out
+    except Exception as e:
+        log.warning(
+            "update_weights_from_disk: cannot load %r: %s: %s", str(path), type(e).__name__, e
         )
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
+        raise RequestError(
+            f"cannot load weights from {str(path)!r}: model_path must name a readable "
+            "safetensors checkpoint (a *.safetensors file or a directory of them, saved with "
+            "safe_serialization=True) on the engine's host; the engine's log has the reason"
+        ) from None
 
 
 # ---- distributed --------------------------------------------------------------------------
