@@ -68,8 +68,20 @@ class TraceConfig:
     kernel_wait_threshold_us: float = 30.0
     #: number of top kernels kept per rank
     top_kernels: int = 30
+    #: the most text the reader holds at once, in bytes: one event, or the file's text
+    #: before or after its events. A file that needs more is reported, not read on
+    max_event_bytes: int = 256 << 20
+    #: the most text one trace file may hold, in bytes, after inflation: a gzip bomb (or a
+    #: trace too large to analyze in reasonable time) is reported once it passes this
+    max_trace_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
+        for name in ("max_event_bytes", "max_trace_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(
+                    f"trace config {name} must be a positive whole number of bytes, got {v!r}"
+                )
         self._comm = _join(self.comm_kernel_patterns)
         self._mem = _join(self.memory_kernel_patterns)
         self._other = _join(self.other_kernel_patterns)

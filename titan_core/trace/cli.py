@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,13 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--ray", action="store_true", help="spread parsing over a Ray cluster")
     a.add_argument("--no-report", action="store_true", help="write summary.json only")
     a.add_argument("--quiet", action="store_true")
+    a.add_argument(
+        "--max-trace-mb", type=int, default=None,
+        help="largest trace text to read per file, after gzip, in MiB (default 8192)",
+    )  # fmt: skip
+    a.add_argument(
+        "--max-event-mb", type=int, default=None,
+        help="largest single event to hold, in MiB (default 256)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    for flag, value in (
+        ("--max-trace-mb", args.max_trace_mb),
+        ("--max-event-mb", args.max_event_mb),
+    ):
+        if value is not None and value <= 0:
+            ap.error(f"{flag} must be a positive number of MiB, not {value}")
 
     from titan_core.trace.analyze import analyze_traces
     from titan_core.trace.categories import TraceConfig
 
     t0 = time.perf_counter()
     cfg = TraceConfig.from_file(args.config)
+    caps = {"max_trace_bytes": args.max_trace_mb, "max_event_bytes": args.max_event_mb}
+    cfg = dataclasses.replace(cfg, **{k: v << 20 for k, v in caps.items() if v is not None})
     summary, results = analyze_traces(
         args.trace_dir,
         cfg,

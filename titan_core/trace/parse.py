@@ -1,8 +1,8 @@
 """Parse one Kineto trace file into compact columns, keeping only what the analyses use.
 
-The file is decompressed (with ISA-L when the ``isal`` package is there, else zlib) in
-pieces of about 64 KB into one reused buffer, cut at event
-boundaries and decoded in place by msgspec straight into typed structs that name only the
+The file's text comes in pieces of whole events (:mod:`titan_core.trace.reader`: inflated
+a piece at a time, in bounded memory, with caps on one event's and one file's size), each
+decoded in place by msgspec straight into typed structs that name only the
 needed fields: events of other phases than "X" (flows, instants, metadata) decode to
 empty structs, and the rest of each event (most of ``args``) is skipped without becoming
 Python objects; a piece without a single complete event (runs of memory events) is not
@@ -17,7 +17,11 @@ the whole text nor all its events are ever alive at once:
   when a first read finds no device events and no Titan microbatch ranges).
 
 Everything else (python_function, plain cpu ops, flows, instant events, counters) is
-dropped; complete events are counted. Nothing here imports numpy or polars. Timestamps
+dropped; complete events are counted. Complete events with impossible times (missing,
+negative, not numbers, or past 2**53 us) are left out and counted, and the rank warned;
+a file without any complete event is an error (an empty rank). A piece whose field
+types the typed decoder rejects is decoded as plain objects instead (the slow path).
+Nothing here imports numpy or polars. Timestamps
 follow HTA's convention (start rounded up, end rounded down to whole microseconds) so
 interval sums agree with it. A parse cache (msgpack, keyed by path, mtime, size and
 config) makes re-analysis of the same files cheap.
@@ -33,28 +37,29 @@ import os
 import re
 import string
 import sys
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar, Union
+from typing import Annotated, Any, ClassVar, Generic, TypeVar, Union
 
 import msgspec
 
-try:  # ISA-L inflates about 3x faster than zlib; imported here, not per file (~2 ms)
-    from isal import isal_zlib as _isal_zlib
-except ImportError:  # pragma: no cover - optional speedup
-    _isal_zlib = None
-
 from titan_core.trace.categories import TraceConfig
 from titan_core.trace.forked import Forked
+from titan_core.trace.reader import (
+    ReadLimits,
+    Rest,
+    TraceError,
+    TraceLimitError,
+    Unsplittable,
+    json_outcome,
+    kineto_layout,
+    read_pieces,
+    text_size,
+)
 
-CACHE_VERSION = "6"
-
-
-class TraceError(Exception):
-    """A trace file that cannot be analyzed; the message says why."""
+CACHE_VERSION = "7"
 
 
 _Num = int | float | str | None
@@ -104,27 +109,37 @@ class _LeanArgs(_CommArgs, frozen=True, gc=False):
 
 _NO_LEAN_ARGS = _LeanArgs()
 
+#: times at or past this (microseconds; ~285 years) are impossible, and no longer exact
+#: as floats
+MAX_TIME_US = 2**53
+#: a time as the analyses accept it (whole microseconds stay ints, fractional ones are
+#: floats). A missing or impossible one fails the typed decode, so its piece takes the
+#: slow path, which leaves such events out and counts them (no check per event here)
+_Time = Union[  # noqa: UP007 (Annotated members)
+    Annotated[int, msgspec.Meta(ge=0, lt=MAX_TIME_US)],
+    Annotated[float, msgspec.Meta(ge=0, lt=MAX_TIME_US)],
+]
 
-class _Event(msgspec.Struct, frozen=True, gc=False, tag="X", tag_field="ph"):
+
+class _Event(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag="X", tag_field="ph"):
     """A complete ("X") event: the only phase the analyses use."""
 
     cat: str | None = None
     name: str = ""
     tid: int | float | str | None = None
-    #: whole microseconds stay ints (no rounding needed); fractional ones are floats
-    ts: int | float = math.nan
-    dur: int | float = math.nan
+    ts: _Time
+    dur: _Time
     args: _Args = _NO_ARGS
 
 
-class _LeanEvent(msgspec.Struct, frozen=True, gc=False, tag="X", tag_field="ph"):
+class _LeanEvent(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag="X", tag_field="ph"):
     """:class:`_Event` with :class:`_LeanArgs`: what pieces of a stream decode to first."""
 
     cat: str | None = None
     name: str = ""
     tid: int | float | str | None = None
-    ts: int | float = math.nan
-    dur: int | float = math.nan
+    ts: _Time
+    dur: _Time
     args: _LeanArgs = _NO_LEAN_ARGS
 
 
@@ -151,10 +166,13 @@ class _File(msgspec.Struct, Generic[_E]):
     deviceProperties: list[Any] | None = None  # noqa: N815
 
 
-_DECODER = msgspec.json.Decoder(_File[_AnyEvent])  # type: ignore[valid-type]
-_LEAN_DECODER = msgspec.json.Decoder(_File[_LeanAnyEvent])  # type: ignore[valid-type]
+#: the document without its events (its header and tail)
+_META_DECODER = msgspec.json.Decoder(_File[_LeanAnyEvent])  # type: ignore[valid-type]
 _PIECE_DECODER = msgspec.json.Decoder(list[_AnyEvent])  # type: ignore[valid-type]
 _LEAN_PIECE_DECODER = msgspec.json.Decoder(list[_LeanAnyEvent])  # type: ignore[valid-type]
+#: the slow path's plain objects; a number too large for a float becomes inf (impossible
+#: as a time, so flagged) instead of failing the piece
+_ANY_DECODER = msgspec.json.Decoder(float_hook=float)
 
 #: the comm args of an event, in this order (None when the event has none)
 COMM_FIELDS = (
@@ -199,8 +217,11 @@ class Events:
     ops_tid: list[Any] = field(default_factory=list)
     #: any event with a device stream (tells GPU from CPU-only traces)
     has_stream: bool = False
-    #: complete ("X") events seen, kept or not
+    #: complete ("X") events seen with valid times, kept or not
     n_events: int = 0
+    #: complete events left out for missing or impossible times, and the first of them
+    n_bad_times: int = 0
+    bad_time_example: str = ""
 
     @property
     def height(self) -> int:
@@ -214,6 +235,8 @@ class Events:
                 v.extend(getattr(other, k))
         self.has_stream = self.has_stream or other.has_stream
         self.n_events += other.n_events
+        self.n_bad_times += other.n_bad_times
+        self.bad_time_example = self.bad_time_example or other.bad_time_example
 
     def to_builtins(self) -> dict[str, Any]:
         """Plain data for msgpack (parse cache, split parsing). Names, categories and
@@ -325,25 +348,31 @@ class _Sorter:
             if comm or n.startswith(_SPECIAL):
                 self._special.add(n)
 
+    def decode_piece(self, piece: memoryview) -> None:
+        """Decode and sort in a piece of whole events (``[ev, ..., ev]``); a piece whose
+        field types the typed decoder rejects is decoded as plain objects instead."""
+        try:
+            events = _LEAN_PIECE_DECODER.decode(piece)
+        except msgspec.ValidationError:
+            self.add(_structs_from_dicts(_ANY_DECODER.decode(piece)))
+        else:
+            self.add(events, piece)
+
     def add(self, events: list[Any], piece: Any = None) -> None:
         """Sort one piece's decoded events in. With ``piece`` (the JSON text they came
         from), the events were decoded leanly (:class:`_LeanEvent`: no input shapes); the
         piece is decoded again with every field (:class:`_Event`) only when a host comm
         range in it may need its input shapes for its size (no element counts in its
-        args, and input shapes somewhere in the piece)."""
+        args, and input shapes somewhere in the piece). Without it they came the slow way
+        (:func:`_structs_from_dicts`) and their times are checked one by one (the typed
+        decoders accept possible times only)."""
         ev = self.ev
         x_cls = _Event if piece is None else _LeanEvent
-        # complete events with a category, a start and a duration ("Trace" is the
-        # profiler's own span)
-        xs = [
-            e
-            for e in events
-            if e.__class__ is x_cls
-            and e.cat is not None
-            and e.dur == e.dur
-            and e.ts == e.ts
-            and e.cat != "Trace"
-        ]
+        # complete events with a category ("Trace" is the profiler's own span), then
+        # those of them with possible times
+        xs = [e for e in events if e.__class__ is x_cls and e.cat is not None and e.cat != "Trace"]
+        if piece is None:
+            xs = self._drop_impossible(xs)
         ev.n_events += len(xs)
         gpu_cats = self.gpu_cats
         dev = [e for e in xs if e.cat in gpu_cats]
@@ -427,6 +456,24 @@ class _Sorter:
                 ]
             ev.host_info.extend(infos)
 
+    def _drop_impossible(self, xs: list[Any]) -> list[Any]:
+        """``xs`` without the events whose times are missing or impossible (NaN fails
+        every comparison), counted in :attr:`Events.n_bad_times`."""
+        ok = [e for e in xs if 0 <= e.ts < MAX_TIME_US and 0 <= e.dur < MAX_TIME_US]
+        if len(ok) < len(xs):
+            ev = self.ev
+            ev.n_bad_times += len(xs) - len(ok)
+            if not ev.bad_time_example:
+                kept = {id(e) for e in ok}
+                e = next(e for e in xs if id(e) not in kept)
+                ev.bad_time_example = f"{e.name[:80]!r} (ts={_short(e.ts)}, dur={_short(e.dur)})"
+        return ok
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 24 else r[:21] + "..."
+
 
 _INPUT_DIMS = b'"Input Dims"'
 #: name prefixes of the ranges the analyses look at besides comm ranges
@@ -507,36 +554,20 @@ def _structs_from_dicts(events: list[Any]) -> list[_Event]:
                 cat=e.get("cat"),
                 name=str(e.get("name", "")),
                 tid=e.get("tid") if isinstance(e.get("tid"), (int, float, str)) else None,
-                ts=_float(e.get("ts")),
-                dur=_float(e.get("dur")),
+                ts=_time(e.get("ts")),
+                dur=_time(e.get("dur")),
                 args=args,
             )
         )
     return structs
 
 
-def _float(v: Any) -> float:
-    if v is None or isinstance(v, bool):
-        return math.nan
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return math.nan
-
-
-_SEP = b"\n  },\n  {"
-_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
-_ARRAY_END = re.compile(rb"\n  \}\s*\]|^\s*\]")
-#: small pieces: their buffers and objects are recycled by the allocators instead of being
-#: mapped and unmapped (page faults cost more than the extra decode calls)
-_PIECE = 1 << 16
-
-
-def _gzip_module() -> tuple[Any, tuple[type[Exception], ...]]:
-    """ISA-L's zlib-compatible inflater if installed, else zlib (same interface)."""
-    if _isal_zlib is None:  # pragma: no cover - optional speedup
-        return zlib, (zlib.error,)
-    return _isal_zlib, (_isal_zlib.error, zlib.error)
+def _time(v: Any) -> int | float:
+    """A time as the file gives it if it is a number, else NaN (then flagged as
+    impossible: a string is no time, even one that reads as a number)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return v
+    return math.nan
 
 
 @contextlib.contextmanager
@@ -553,147 +584,42 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _iter_plain(path: Path) -> Iterator[bytes]:
-    """The decompressed bytes of a trace in pieces of about ``_PIECE`` bytes."""
-    with open(path, "rb") as fh:
-        head = fh.read(2)
-        fh.seek(0)
-        if head != b"\x1f\x8b":
-            while chunk := fh.read(_PIECE):
-                yield chunk
-            return
-        zmod, errors = _gzip_module()
-        d = zmod.decompressobj(wbits=31)
-        while comp := fh.read(_PIECE // 4):
-            try:
-                piece = d.decompress(comp, _PIECE)
-                while piece:
-                    yield piece
-                    tail = d.unconsumed_tail
-                    piece = d.decompress(tail, _PIECE) if tail else b""
-            except errors as exc:
-                raise TraceError(f"corrupt gzip: {exc}") from exc
-            if d.eof:
-                break
-        if not d.eof:
-            raise TraceError("truncated gzip stream")
+def _limits(cfg: TraceConfig) -> ReadLimits:
+    return ReadLimits(max_event_bytes=cfg.max_event_bytes, max_text_bytes=cfg.max_trace_bytes)
 
 
-def _stream_events(path: Path, sorter: _Sorter, lo: int = 0, hi: int | None = None) -> bytes | None:
-    """Decode a Kineto-formatted trace piece by piece (events are split at their
-    top-level boundaries), so only a few MB of JSON text and Python objects are alive at
-    a time. Returns the document without its events.
-
-    With ``lo``/``hi`` only the pieces starting at a text offset in [lo, hi) are decoded:
-    the others are cut the same way (cutting depends on the bytes alone) and dropped, so
-    processes given adjacent ranges decode every event exactly once, in file order. A range
-    that ends before the text does stops early and returns None (the last range's owner
-    returns the document).
-
-    The text goes through one preallocated buffer that is never resized (growing or
-    shrinking a bytearray reallocates it, and large fresh allocations cost page faults).
-    Pieces are decoded in place: ``buf[0]`` is always a byte that may become the piece's
-    ``[`` (the array's own, or the comma before the next event), and the comma after the
-    piece's last event becomes its ``]`` while it is decoded."""
-    buf = bytearray(4 * _PIECE)
-    n = 0  # buf[:n] holds text not decoded yet
-    base = 0  # text offset of buf[0]
-    header: bytes | None = None
-    for chunk in _iter_plain(path):
-        k = len(chunk)
-        if n + k > len(buf):
-            grown = bytearray(max(2 * len(buf), n + k))
-            grown[:n] = buf[:n]
-            buf = grown
-        buf[n : n + k] = chunk
-        n += k
-        del chunk
-        if header is None:
-            m = _EVENTS_KEY.search(buf, 0, n)
-            if m is None:
-                continue
-            header = bytes(buf[: m.start()]) + b'"traceEvents": '
-            start = m.end() - 1  # keep the "["
-            buf[: n - start] = buf[start:n]
-            n -= start
-            base = start
-        if n < _PIECE:
-            continue
-        cut = buf.rfind(_SEP, 0, n)
-        if cut < 0:
-            continue
-        comma = cut + 4
-        if hi is not None and base >= hi:
-            return None
-        if base < lo:  # another process's piece
-            buf[: n - comma] = buf[comma:n]
-            n -= comma
-            base += comma
-            continue
-        # a piece without the letter X holds no complete ("X") event: nothing in it is
-        # kept (profilers write memory events and flows in long runs), so it is not
-        # decoded (memchr finds an X within the first events of any other piece)
-        if buf.find(b"X", 1, comma) >= 0:
-            buf[0] = 0x5B  # [
-            buf[comma] = 0x5D  # ]
-            view = memoryview(buf)[: comma + 1]
-            try:
-                sorter.add(_LEAN_PIECE_DECODER.decode(view), view)
-            finally:
-                buf[comma] = 0x2C  # ,
-                try:
-                    view.release()
-                except BufferError:  # something still holds the piece: go on with a copy
-                    buf = bytearray(buf)
-        buf[: n - comma] = buf[comma:n]
-        n -= comma
-        base += comma
-    if header is None:
-        raise TraceError("no traceEvents array (truncated or not a Kineto trace)")
-    if hi is not None and base >= hi:
-        return None
-    # the rest: the last events, the array's end and the document's tail
-    body = bytes(buf[1:n])
-    del buf
-    last = body.rfind(_SEP)
-    m = _ARRAY_END.search(body, 0 if last < 0 else last)
-    if m is None:
-        raise TraceError("truncated JSON: the traceEvents array never ends")
-    tail_start = m.end()
-    body_end = m.start() + (4 if body[m.start() : m.start() + 1] == b"\n" else 0)
-    if base >= lo:  # else the last events are an earlier range's
-        last_piece = b"[" + body[:body_end] + b"]"
-        sorter.add(_LEAN_PIECE_DECODER.decode(last_piece), last_piece)
-    return header + b"[]" + body[tail_start:]
+def _doc_error(exc: msgspec.DecodeError, offset: int) -> TraceError:
+    """The error for a document (header or tail) that does not decode."""
+    if json_outcome(exc, offset) == "truncated":  # raises for malformed text
+        return TraceError("truncated JSON: the text ends inside the trace (a file cut short?)")
+    return TraceError(f"not valid JSON: text after the end of the document (from byte {offset})")
 
 
-def _read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.name.endswith(".gz") or data[:2] == b"\x1f\x8b":
-        zmod, errors = _gzip_module()
-        try:
-            d = zmod.decompressobj(wbits=31)
-            out = d.decompress(data)
-            if not d.eof:
-                raise TraceError("truncated gzip stream")
-        except errors as exc:
-            raise TraceError(f"corrupt gzip: {exc}") from exc
-        return out
-    return data
+def _doc_meta(text: bytes, offset: int) -> tuple[Any, Any]:
+    """(distributedInfo, deviceProperties) of a document without events (the header or
+    the tail of a trace, its text starting at text offset ``offset``); None when absent."""
+    try:
+        doc = _META_DECODER.decode(text)
+        return doc.distributedInfo, doc.deviceProperties
+    except msgspec.ValidationError:  # odd types: the slow way, keeping what fits
+        pass
+    except msgspec.DecodeError as exc:
+        raise _doc_error(exc, offset) from None
+    try:
+        raw = _ANY_DECODER.decode(text)
+    except msgspec.DecodeError as exc:
+        raise _doc_error(exc, offset) from None
+    if not isinstance(raw, dict):
+        raise TraceError("not a Kineto trace (the document is no JSON object)")
+    dist, props = raw.get("distributedInfo"), raw.get("deviceProperties")
+    return (dist if isinstance(dist, dict) else None), (props if isinstance(props, list) else None)
 
 
-def _pretty_printed(path: Path) -> bool:
-    """Whether the file is laid out as Kineto writes it (one field group per line), so
-    that its events can be cut apart at ``_SEP`` without parsing."""
-    with open(path, "rb") as fh:
-        head = fh.read(1 << 16)
-    if head[:2] == b"\x1f\x8b":
-        zmod, errors = _gzip_module()
-        try:
-            head = zmod.decompressobj(wbits=31).decompress(head, 1 << 18)
-        except errors:
-            return True  # let the streaming path name the problem
-    return _SEP in head or len(head) < (1 << 16) and b'"traceEvents"' not in head
+def _finish(rest: Rest) -> tuple[Any, Any]:
+    """The document's distributedInfo and deviceProperties (None when absent)."""
+    head_dist, head_props = _doc_meta(rest.header, 0)
+    dist, props = _doc_meta(rest.tail, rest.tail_offset)
+    return (dist if dist is not None else head_dist), (props if props is not None else head_props)
 
 
 #: a file whose text is at least this large is decoded by several processes at once when
@@ -702,24 +628,16 @@ def _pretty_printed(path: Path) -> bool:
 SPLIT_MIN_TEXT_BYTES = 4 << 20
 
 
-def _text_size(p: Path) -> int:
-    """The trace's text size: a gzip file's trailer (its size modulo 2**32; only a hint
-    for splitting the work), else the file's size."""
-    with open(p, "rb") as fh:
-        if fh.read(2) != b"\x1f\x8b":
-            return os.fstat(fh.fileno()).st_size
-        fh.seek(-4, os.SEEK_END)
-        return int.from_bytes(fh.read(4), "little")
-
-
 def _stream_part(p: Path, cfg: TraceConfig, cpu_ops: bool, lo: int, hi: int | None) -> bytes:
-    """A forked helper's share of :func:`_stream_split`: its events, packed (or the error,
-    which the parent re-raises and picks its fallback for)."""
+    """A forked helper's share of :func:`_stream_split`: its events and, when it read the
+    text's end, the document's metadata, packed (or the error, which the parent
+    re-raises)."""
     gc.disable()
     try:
         sorter = _Sorter(cfg, cpu_ops)
-        doc = _stream_events(p, sorter, lo, hi)
-        return _CACHE_ENC.encode((sorter.ev.to_builtins(), doc))
+        rest = read_pieces(p, sorter.decode_piece, _limits(cfg), True, lo, hi)
+        meta = None if rest is None else _finish(rest)
+        return _CACHE_ENC.encode((sorter.ev.to_builtins(), meta))
     except BaseException as exc:
         return _CACHE_ENC.encode((None, f"{type(exc).__name__}\0{exc}"))
 
@@ -728,13 +646,15 @@ def _stream_part(p: Path, cfg: TraceConfig, cpu_ops: bool, lo: int, hi: int | No
 #: 1.2 the helper finished after this process in nearly every timed run; 1.5 took 2-4%
 #: less time on the shared traces, measured over 16-30 interleaved runs)
 _OWN_SHARE = 1.5
+_HELPER_ERRORS = {c.__name__: c for c in (TraceError, TraceLimitError, Unsplittable)}
 
 
-def _stream_split(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int) -> tuple[Events, bytes]:
-    """:func:`_stream_events` over ``parts`` processes: this one decodes the first range of
-    the text while forked helpers decode the others; their columns are appended in order.
-    The helpers are forked (:class:`~titan_core.trace.forked.Forked`)."""
-    size = _text_size(p)
+def _stream_split(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int) -> tuple[Events, Any]:
+    """The pieces of a file in Kineto's layout over ``parts`` processes: this one decodes
+    the first range of the text while forked helpers decode the others; their columns are
+    appended in order. The helpers are forked (:class:`~titan_core.trace.forked.Forked`).
+    Returns the columns and the document's (distributedInfo, deviceProperties)."""
+    size = text_size(p)
     # this process takes a larger share: each helper also inflates the text before its
     # range and packs its columns, while this one only unpacks them
     weights = [_OWN_SHARE] + [1.0] * (parts - 1)
@@ -747,68 +667,42 @@ def _stream_split(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int) -> tuple
             work = partial(_stream_part, p, cfg, cpu_ops, bounds[i], bounds[i + 1])
             helpers.append(Forked(work))
         sorter = _Sorter(cfg, cpu_ops)
-        docs = [_stream_events(p, sorter, 0, bounds[1])]
+        rest = read_pieces(p, sorter.decode_piece, _limits(cfg), True, 0, bounds[1])
+        metas = [None if rest is None else _finish(rest)]
         for helper in helpers:
             data = helper.result()
             if not data:
                 raise TraceError("a parsing helper process died")
-            ev, doc = _CACHE_DEC.decode(data)
+            ev, meta = _CACHE_DEC.decode(data)
             if ev is None:
-                kind, _, msg = doc.partition("\0")
-                if kind in ("DecodeError", "ValidationError"):
-                    raise msgspec.DecodeError(msg)
-                raise TraceError(msg)
+                kind, _, msg = meta.partition("\0")
+                if kind not in _HELPER_ERRORS:
+                    msg = f"{kind}: {msg}"
+                raise _HELPER_ERRORS.get(kind, TraceError)(msg)
             sorter.ev.extend(Events.from_builtins(ev))
-            docs.append(doc)
+            metas.append(meta)
     finally:
         for helper in helpers:
             helper.close()
-    doc_bytes = next((d for d in docs if d is not None), None)
-    if doc_bytes is None:
+    meta = next((m for m in metas if m is not None), None)
+    if meta is None:
         raise TraceError("no traceEvents array (truncated or not a Kineto trace)")
-    return sorter.ev, doc_bytes
+    return sorter.ev, meta
 
 
 def _parse(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int = 1) -> tuple[Events, Any, Any]:
-    sorter = _Sorter(cfg, cpu_ops)
-    try:
-        if _pretty_printed(p):
-            if parts > 1 and _text_size(p) >= SPLIT_MIN_TEXT_BYTES:
-                sorter.ev, doc_bytes = _stream_split(p, cfg, cpu_ops, parts)
-                doc = _DECODER.decode(doc_bytes)
-            else:
-                doc = _DECODER.decode(_stream_events(p, sorter))
-        else:  # compact JSON: one typed decode of the whole document
-            text = _read_bytes(p)
-            if _INPUT_DIMS in text:  # comm sizes may need the input shapes
-                doc = _DECODER.decode(text)
-                sorter.add(doc.traceEvents)
-            else:
-                doc = _LEAN_DECODER.decode(text)
-                sorter.add(doc.traceEvents, b"")  # lean, with nothing to decode again
-            doc.traceEvents = []
-        return sorter.ev, doc.distributedInfo or {}, doc.deviceProperties or []
-    except (msgspec.DecodeError, msgspec.ValidationError, TraceError) as first:
-        # odd field types, or really broken: whole-file slow path
-        import orjson  # only for files off the fast path
-
-        sorter = _Sorter(cfg, cpu_ops)
+    kineto = kineto_layout(p)
+    if parts > 1 and kineto and text_size(p) >= SPLIT_MIN_TEXT_BYTES:
         try:
-            data = _read_bytes(p)
-            raw_doc = orjson.loads(data)
-        except TraceError:
-            raise
-        except orjson.JSONDecodeError as exc:
-            raise TraceError(f"corrupt or truncated JSON: {exc}") from exc
-        del data
-        if not isinstance(raw_doc, dict) or not isinstance(raw_doc.get("traceEvents"), list):
-            raise TraceError(f"not a Kineto trace ({first})") from None
-        sorter.add(_structs_from_dicts(raw_doc["traceEvents"]))
-        return (
-            sorter.ev,
-            raw_doc.get("distributedInfo") or {},
-            raw_doc.get("deviceProperties") or [],
-        )
+            events, (dist, props) = _stream_split(p, cfg, cpu_ops, parts)
+            return events, dist or {}, props or []
+        except Unsplittable:
+            pass  # boundaries that need confirming one by one: read in this process
+    sorter = _Sorter(cfg, cpu_ops)
+    rest = read_pieces(p, sorter.decode_piece, _limits(cfg), kineto)
+    assert rest is not None  # a reader without a range reads to the end
+    dist, props = _finish(rest)
+    return sorter.ev, dist or {}, props or []
 
 
 def _parse_any(p: Path, cfg: TraceConfig, parts: int) -> tuple[Events, Any, Any]:
@@ -834,6 +728,13 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None, parts: int = 1)
         parts = 1
     with gc_paused():
         events, dist, device_props = _parse_any(p, cfg, parts)
+    if not events.n_events:
+        raise TraceError(_empty_reason(events))
+    if events.n_bad_times:
+        warnings.append(
+            f"{events.n_bad_times} complete events with missing or impossible times "
+            f"({_IMPOSSIBLE}) left out, e.g. {events.bad_time_example}"
+        )
     rank = _int(dist.get("rank"), None) if isinstance(dist, dict) else None
     if rank is None:
         m = _RANK_IN_NAME.search(p.name)
@@ -847,6 +748,18 @@ def parse_file(path: str | Path, cfg: TraceConfig | None = None, parts: int = 1)
         "device": _device_kind(device_props, events),
     }
     return RankTrace(str(p), rank, meta, events, warnings)
+
+
+_IMPOSSIBLE = "negative, not a number, or past 2**53 us"
+
+
+def _empty_reason(events: Events) -> str:
+    if events.n_bad_times:
+        return (
+            f"empty rank: all {events.n_bad_times} complete events have missing or impossible "
+            f"times ({_IMPOSSIBLE}), e.g. {events.bad_time_example}"
+        )
+    return 'empty rank: no complete ("X") events, nothing to analyze'
 
 
 def _pg_config(pgs: Any) -> list[dict[str, Any]]:
