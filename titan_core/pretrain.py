@@ -14,6 +14,7 @@ import warnings
 
 from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import PretrainConfig
+from titan_core.startup import check_startup
 
 EXIT_CONFIG_ERROR = 2
 EXIT_CHECKPOINT_ERROR = 1
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         from titan_core.config.pretrain import check_layout
 
         check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_startup(cfg)  # folders and data, before any process group or model
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -48,9 +50,13 @@ def run(cfg: PretrainConfig) -> int:
     warnings.filterwarnings("ignore", module="megatron")
     from titan_core.checkpoint import CheckpointError
     from titan_core.parallel.initialize import initialize, shutdown
+    from titan_core.signals import StopSignals, exit_code
     from titan_core.training.loop import Trainer
 
+    signals = StopSignals()
     try:
+        signals.install()  # SIGTERM / SIGINT: stop after the current step, saved
+        signals.hint = _last_checkpoint(cfg)  # what a second signal's stop at once says
         accel, env, dp = initialize(cfg)
         if env.rank == 0:
             p = cfg.parallel
@@ -63,7 +69,10 @@ def run(cfg: PretrainConfig) -> int:
                 f"; run dir {cfg.run.dir}",
                 flush=True,
             )
-        Trainer(cfg, accel, dp).train()
+        trainer = Trainer(cfg, accel, dp)
+        trainer.train(signals)
+        if trainer.stopped_by is not None:
+            return exit_code(trainer.stopped_by)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -72,7 +81,22 @@ def run(cfg: PretrainConfig) -> int:
         return EXIT_CHECKPOINT_ERROR
     finally:
         shutdown()
+        signals.restore()
     return 0
+
+
+def _last_checkpoint(cfg: PretrainConfig) -> str:
+    """Where a rerun resumes from, in words."""
+    from pathlib import Path
+
+    from titan_core.checkpoint import latest_iteration
+    from titan_core.checkpoint.dist import iteration_dir
+
+    root = Path(cfg.checkpoint.save or Path(cfg.run.dir) / "checkpoints")
+    last = latest_iteration(root)
+    if last is None:
+        return "no checkpoint yet; rerun the same command to start over"
+    return f"rerun the same command to resume from {iteration_dir(root, last)}"
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ class RolloutConfig(Section):
     #: rollout of step k+1 runs while step k trains (one-step off-policy).
     async_rollout: bool = Field(False, alias="async")
     max_concurrency: PositiveInt = 256
+    #: a response generated with another weight version than the policy's (an engine that
+    #: was restarted on the start-up weights and not yet given the current ones): "resend"
+    #: refuses it and sends the request again once the engines serve the current weights;
+    #: "keep" keeps it (off-policy). Both count it in ``rollout/stale_samples``.
+    on_stale_version: Literal["resend", "keep"] = "resend"
 
 
 class EnginesConfig(Section):
@@ -64,6 +69,11 @@ class EnginesConfig(Section):
     router: bool = False
     num_threads: PositiveInt | None = 1
     api_key: str | None = None
+    #: how long requests to engines that do not answer (connection refused or reset, 5xx)
+    #: are sent again, from the first failure, and how long a restarted engine may take to
+    #: serve the current weights: it must cover a restart (the built-in engine: ~20 s on 2
+    #: busy cores; SGLang loading a large model: minutes).
+    retry_timeout_s: float = Field(900.0, gt=0)
 
 
 class RLDataConfig(Section):
@@ -96,6 +106,9 @@ class RLRunConfig(Section):
     num_steps: PositiveInt = 200
     eval_interval: PositiveInt = 20
     save_interval: int = Field(100, ge=0)
+    #: on SIGTERM / SIGINT, save the last completed step before exiting 143 / 130 (as
+    #: Megatron-LM's --exit-signal-handler does); false: exit without saving.
+    save_on_signal: bool = True
     seed: int = 1
     log_interval: PositiveInt = 1
 

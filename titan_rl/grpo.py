@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
-import subprocess
+import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,37 +24,21 @@ from titan_rl.config import GRPOConfig
 from titan_rl.placement import placement_plan
 
 if TYPE_CHECKING:
+    from titan_core.signals import StopSignals
+    from titan_rl.actors.recovery import EngineRecovery
     from titan_rl.data import PromptSet
-    from titan_rl.sample import Sample
+    from titan_rl.rollout.generate import VersionCheck
+    from titan_rl.rollout.rewarding import SampleRewarder
 
 EXIT_CONFIG_ERROR = 2
 
 
 def ensure_base_checkpoint(cfg: GRPOConfig) -> None:
-    """Pretrain the base policy with titan_core.pretrain if it is not there yet."""
-    from titan_core.checkpoint import latest_iteration
+    """Pretrain the base policy with titan_core.pretrain if it is not there yet, or train it
+    on if its held-out accuracy is below its pretraining config's target."""
+    from titan_rl.base_policy import ensure_base_policy
 
-    pol = cfg.policy
-    if pol.format != "titan" or latest_iteration(pol.load) is not None:
-        return
-    if not pol.pretrain_config:
-        raise ConfigError(
-            f"policy.load {pol.load} holds no Titan checkpoint and policy.pretrain_config is "
-            "not set; pretrain one first (python -m titan_core.pretrain) or set it"
-        )
-    load = Path(pol.load)
-    if load.name != "checkpoints":
-        raise ConfigError("policy.load must end in /checkpoints when policy.pretrain_config is set")
-    print(
-        f"no base checkpoint at {load}: pretraining it first with titan_core.pretrain "
-        f"({pol.pretrain_config}), on the same training base",
-        flush=True,
-    )
-    cmd = [
-        sys.executable, "-m", "titan_core.pretrain", "--config", pol.pretrain_config,
-        *pol.pretrain_overrides, f"run.dir={load.parent}",
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True)
+    ensure_base_policy(cfg.policy)
 
 
 def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
@@ -79,19 +63,12 @@ def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
     return cfg.model_copy(update={"algo": algo, "sync": sync})
 
 
-def _reward_fn(cfg: GRPOConfig) -> Callable[[list[Sample]], list[float]]:
-    """Scores of samples; also marks each sample ``correct`` (for ``rollout/accuracy``)."""
-    from titan_rl.rewards import RewardScorer
+def _reward_fn(cfg: GRPOConfig) -> SampleRewarder:
+    """Scores samples in place (``reward``, ``correct`` for ``rollout/accuracy``), off the
+    event loop, each call under ``reward.timeout_s``; ``close()`` stops its workers."""
+    from titan_rl.rollout.rewarding import SampleRewarder
 
-    scorer = RewardScorer(cfg.reward)
-
-    def score(samples: list[Sample]) -> list[float]:
-        results = scorer.score_samples(samples)
-        for s, r in zip(samples, results, strict=True):
-            s.correct = r.is_correct
-        return [r.score for r in results]
-
-    return score
+    return SampleRewarder(cfg.reward)
 
 
 class EngineMemory:
@@ -146,6 +123,8 @@ class Loop:
         self.sampler = PromptSampler(train.prompts, cfg.run.seed)
         self.reward = _reward_fn(cfg)
         self.stop_ids = [self.tok.eod] + ([10] if cfg.data.type == "arithmetic" else [])
+        #: gives restarted engines the current weights (set once the engines run)
+        self.recovery: EngineRecovery | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -153,16 +132,29 @@ class Loop:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i not in self.stop_ids])
 
+    def versions(self) -> VersionCheck | None:
+        """The weight versions a rollout accepts now (see titan_rl/actors/recovery.py)."""
+        from titan_rl.rollout.generate import VersionCheck
+
+        rec = self.recovery
+        if rec is None:
+            return None
+        return VersionCheck(rec.accepted, self.cfg.rollout.on_stale_version, rec.ensure_serving)
+
+    async def _watched(self, work: Any) -> Any:
+        return await (work if self.recovery is None else self.recovery.guard(work))
+
     async def rollout(self, client: Any, step: int) -> Any:
         from titan_rl.rollout.generate import generate_groups
 
         r = self.cfg.rollout
         n_prompts = int(r.prompts_per_step * r.over_sample_factor)
         prompts = self.sampler.take(n_prompts)
-        result = await generate_groups(
+        result = await self._watched(generate_groups(
             client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
             want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
-        )  # fmt: skip
+            versions=self.versions(),
+        ))  # fmt: skip
         if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
             raise RuntimeError(
                 f"step {step}: only {len(result.samples) // r.n_samples_per_prompt} groups passed "
@@ -173,10 +165,10 @@ class Loop:
     async def evaluate(self, client: Any) -> float:
         from titan_rl.rollout.generate import evaluate
 
-        return await evaluate(
+        return await self._watched(evaluate(
             client, self.eval_prompts, self.encode, self.decode,
-            self.cfg.rollout.max_response_len, self.stop_ids, self.reward,
-        )  # fmt: skip
+            self.cfg.rollout.max_response_len, self.stop_ids, self.reward, self.versions(),
+        ))  # fmt: skip
 
 
 def _status(rec: dict[str, Any], total: int) -> str:
@@ -188,6 +180,13 @@ def _status(rec: dict[str, Any], total: int) -> str:
     ]
     if "eval/accuracy" in rec:
         parts.append(f"eval acc {rec['eval/accuracy']:.3f}")
+    if rec.get("reward/timeouts") or rec.get("reward/invalid"):
+        parts.append(f"reward timeouts {rec['reward/timeouts']} / invalid {rec['reward/invalid']}")
+    if rec.get("engines/resyncs") or rec.get("rollout/stale_samples"):
+        parts.append(
+            f"engines restarted {rec['engines/restarts']} / resynced {rec['engines/resyncs']:.0f}"
+            f" / stale samples {rec['rollout/stale_samples']}"
+        )
     parts.append(
         f"time {rec['time/step']:.2f}s (rollout {rec['time/rollout']:.2f} / "
         f"train {rec['time/train']:.2f} / sync {rec['time/sync']:.2f})"
@@ -207,6 +206,10 @@ def _step_record(step: int, result: Any, measured: dict[str, float]) -> dict[str
         "response/truncated_frac": result.truncated / n,
         "rollout/groups_generated": result.groups_generated,
         "rollout/groups_filtered": result.groups_filtered,
+        "reward/timeouts": result.reward_timeouts,
+        "reward/invalid": result.reward_invalid,
+        "rollout/stale_samples": result.stale_samples,
+        "rollout/weight_version": ",".join(sorted({s.weight_version for s in samples})),
         "data/prompt_hash": result.prompt_hash,
         **measured,
     }
@@ -228,14 +231,29 @@ def _open_metrics(path: Path, resumed_step: int) -> Any:
 
 
 def run(cfg: GRPOConfig) -> int:
+    """The job: 0 once done; 128 + signum when SIGTERM / SIGINT stopped it (after saving its
+    last completed step, see titan_rl.stopping)."""
+    from titan_core.signals import Stopped, StopSignals
+
+    with StopSignals() as stop:
+        try:
+            return _run(cfg, stop)
+        except Stopped as e:  # the base policy's pretraining, which the signal stopped
+            print(e.message, flush=True)
+            return e.exit_code
+
+
+def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     import ray
 
+    from titan_core.signals import exit_code, ignoring
     from titan_core.training.metrics import MetricsWriter, read_metrics
     from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig, RouterConfig
     from titan_rl.actors.engine_actor import RolloutEngineGroup
     from titan_rl.placement import machine_plan, ray_init_kwargs, reserve
     from titan_rl.plot import plot_rewards
-    from titan_rl.rollout.client import SGLangClient
+    from titan_rl.rollout.client import RetryPolicy, SGLangClient
+    from titan_rl.stopping import stopped_line, until_stopped
     from titan_rl.trainer.batch import pack_samples
     from titan_rl.trainer.group import TrainerGroup
 
@@ -244,14 +262,26 @@ def run(cfg: GRPOConfig) -> int:
     loop = Loop(cfg)
     plan = machine_plan(cfg)
     ensure_base_checkpoint(cfg)
-    if not ray.is_initialized():
-        ray.init(**ray_init_kwargs(cfg.ray, plan))
+    if stop.requested is not None:
+        print(f"stopped by {stop.name} before RL started; rerun the same command", flush=True)
+        return stop.exit_code
+    owns_ray = not ray.is_initialized()
+    if owns_ray:
+        try:
+            with ignoring(signal.SIGINT):  # Ray's processes leave Ctrl-C to this job
+                ray.init(**ray_init_kwargs(cfg.ray, plan))
+        except SystemExit:  # SIGTERM while Ray started: its handler, not ours, got it
+            ray.shutdown()
+            print("stopped by SIGTERM while Ray started; rerun the same command", flush=True)
+            return exit_code(signal.SIGTERM)
+    stop.install()  # ray.init replaced our SIGTERM handler with its own
     placement = reserve(plan)
     trainers = TrainerGroup(cfg, placement, torch_threads=os.cpu_count())
     engines = None
     writer: MetricsWriter | None = None
     memory: EngineMemory | None = None
     aio = asyncio.new_event_loop()
+    code = 0
     try:
         resumed = trainers.resume()
         start = 0
@@ -259,6 +289,9 @@ def run(cfg: GRPOConfig) -> int:
             start = int(resumed["step"])
             loop.sampler.restore(resumed["sampler"])
             print(f"resumed from {loop.run_dir / 'checkpoints'} at step {start}", flush=True)
+        # the last step whose policy update finished, the sampler after it, the newest save
+        completed, completed_sampler = start, loop.sampler.state()
+        saved: int | None = start if resumed else None
         writer = _open_metrics(loop.run_dir / "metrics.jsonl", start if resumed else -1)
         hf_dir = loop.run_dir / "hf_start"
         trainers.save_hf(str(hf_dir))
@@ -279,10 +312,14 @@ def run(cfg: GRPOConfig) -> int:
         )  # fmt: skip
         url = engines.start()
         trainers.connect_engines(engines.urls)
-        client = SGLangClient(url, api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency)
+        loop.recovery = engines.recovery(trainers.resync_engines, e.retry_timeout_s)
+        client = SGLangClient(
+            url, api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency,
+            retry=RetryPolicy(timeout_s=e.retry_timeout_s),
+        )  # fmt: skip
         first = dict(loop.data_stats)  # goes with the run's first record
-        if start == 0:
-            acc = aio.run_until_complete(loop.evaluate(client))
+        acc = until_stopped(aio, loop.evaluate(client), stop) if start == 0 else None
+        if acc is not None:
             writer.write({"step": 0, "eval/accuracy": acc, **first})
             first = {}
             print(f"step    0 | eval acc {acc:.3f} (before RL)", flush=True)
@@ -294,6 +331,8 @@ def run(cfg: GRPOConfig) -> int:
             range(min(cfg.profile.steps, default=0), max(cfg.profile.steps, default=-1) + 1)
         )
         for step in range(start + 1, cfg.run.num_steps + 1):
+            if stop.requested is not None:
+                break
             if step in profiled:
                 trainers.begin_step(step)
             t0 = time.perf_counter()
@@ -301,11 +340,13 @@ def run(cfg: GRPOConfig) -> int:
                 mark = step in profiled and not cfg.rollout.async_rollout
                 if mark:
                     trainers.mark("rollout", True)
-                result = aio.run_until_complete(loop.rollout(client, step))
+                result = until_stopped(aio, loop.rollout(client, step), stop)
                 if mark:
                     trainers.mark("rollout", False)
             else:
                 result = pending
+            if stop.requested is not None:  # before the policy update: the step is abandoned
+                break
             t1 = time.perf_counter()
             if memory is not None:  # colocated: the engines' memory goes to the trainer
                 aio.run_until_complete(memory.release())
@@ -314,24 +355,32 @@ def run(cfg: GRPOConfig) -> int:
             if cfg.rollout.async_rollout and step < cfg.run.num_steps:
                 # one-step off-policy: the next rollout runs on the current weights while this
                 # step trains; importance ratios against rollout logprobs correct for it
-                train_ref = [w.train.remote(batch) for w in trainers.workers]
+                train_ref = [w.train.remote(batch, step) for w in trainers.workers]
+                loop.recovery.on_train_queued(str(step))  # what a resync would now send
                 prefetched_from = loop.sampler.state()
-                pending = aio.run_until_complete(loop.rollout(client, step + 1))
+                pending = until_stopped(aio, loop.rollout(client, step + 1), stop)
                 metrics = ray.get(train_ref)[0]
+                sampler_after = prefetched_from  # a resume redraws what `pending` drew
             else:
-                metrics = trainers.train(batch)
+                metrics = trainers.train(batch, step)
                 pending = None
+                sampler_after = loop.sampler.state()
+            completed, completed_sampler = step, sampler_after
             t2 = time.perf_counter()
+            aio.run_until_complete(loop.recovery.wait_all_up())  # an engine may be restarting
             if memory is not None:  # weights back; the sync resumes the KV cache once loaded
                 aio.run_until_complete(
                     memory.resume(["weights"] if cfg.sync.resume_kv_cache else None)
                 )
             t_resumed = time.perf_counter()
             sync = trainers.sync_weights(step)
+            loop.recovery.on_sync(str(step))
             t3 = time.perf_counter()
             rec = _step_record(step, result, {**metrics, **sync})
             if step % cfg.run.eval_interval == 0 or step == cfg.run.num_steps:
-                rec["eval/accuracy"] = aio.run_until_complete(loop.evaluate(client))
+                acc = until_stopped(aio, loop.evaluate(client), stop)
+                if acc is not None:
+                    rec["eval/accuracy"] = acc
             t4 = time.perf_counter()
             rec.update({
                 "time/rollout": t1 - t0, "time/train": t2 - t_released,
@@ -342,6 +391,8 @@ def run(cfg: GRPOConfig) -> int:
             })  # fmt: skip
             if memory is not None:
                 rec.update({"time/release": t_released - t1, "time/resume": t_resumed - t2})
+            rec.update(aio.run_until_complete(loop.recovery.report()))
+            rec["engines/restarts"] = engines.restarts()
             last_end = t4
             if step in profiled:
                 trainers.end_step(step)
@@ -351,22 +402,38 @@ def run(cfg: GRPOConfig) -> int:
                 print(_status(rec, cfg.run.num_steps), flush=True)
             save_every = cfg.run.save_interval
             if (save_every and step % save_every == 0) or step == cfg.run.num_steps:
-                # async: `pending` already drew the next step's prompts; a resume redraws them
-                sampler = loop.sampler.state() if pending is None else prefetched_from
-                trainers.save(step, {"sampler": sampler})
-        plot_rewards(read_metrics(loop.run_dir / "metrics.jsonl"), loop.run_dir / "reward.png")
-        print(f"wrote {loop.run_dir / 'metrics.jsonl'} and {loop.run_dir / 'reward.png'}")
+                trainers.save(step, {"sampler": sampler_after})
+                saved = step
+        if stop.requested is not None and completed < cfg.run.num_steps:
+            if cfg.run.save_on_signal and completed > start and saved != completed:
+                trainers.save(completed, {"sampler": completed_sampler})
+                saved = completed
+            root = loop.run_dir / "checkpoints"
+            print(
+                stopped_line(stop.requested, completed, start, saved, root, cfg.run.save_on_signal),
+                flush=True,
+            )
+            code = stop.exit_code
+        else:
+            plot_rewards(read_metrics(loop.run_dir / "metrics.jsonl"), loop.run_dir / "reward.png")
+            print(f"wrote {loop.run_dir / 'metrics.jsonl'} and {loop.run_dir / 'reward.png'}")
         aio.run_until_complete(client.aclose())
     finally:
-        if memory is not None:
-            aio.run_until_complete(memory.aclose())
-        if writer is not None:
-            writer.close()
-        if engines is not None:
-            engines.stop()
-        trainers.shutdown()
-        aio.close()
-    return 0
+        with contextlib.ExitStack() as cleanup:  # every step runs, even after one raised
+            if owns_ray:
+                cleanup.callback(ray.shutdown)  # the actors' processes, and their children
+            cleanup.callback(aio.close)
+            cleanup.callback(trainers.shutdown)
+            cleanup.callback(loop.reward.close)
+            if engines is not None:
+                cleanup.callback(engines.stop)
+            if writer is not None:
+                cleanup.callback(writer.close)
+            if loop.recovery is not None:
+                cleanup.callback(lambda: aio.run_until_complete(loop.recovery.aclose()))
+            if memory is not None:
+                cleanup.callback(lambda: aio.run_until_complete(memory.aclose()))
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

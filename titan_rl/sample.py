@@ -31,6 +31,8 @@ class Sample:
     #: the reward judged the answer right (None: not judged)
     correct: bool | None = None
     status: Status = Status.PENDING
+    #: the weight version the engine generated it with (SGLang's meta_info.weight_version);
+    #: the rollout refuses or counts one the policy does not expect (rollout.on_stale_version)
     weight_version: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
 

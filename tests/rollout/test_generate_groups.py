@@ -17,6 +17,7 @@ from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rollout import SGLangClient, SGLangRequestError
 from titan_rl.rollout.generate import evaluate, generate_groups, prompt_fingerprint
+from titan_rl.rollout.rewarding import RewardCounts
 from titan_rl.sample import Sample, Status
 
 STOP = 0
@@ -30,8 +31,10 @@ def decode(ids: list[int]) -> str:
     return "".join(chr(i) for i in ids if i != STOP)
 
 
-def starts_with_one(samples: list[Sample]) -> list[float]:
-    return [1.0 if s.response.startswith("1") else 0.0 for s in samples]
+async def starts_with_one(samples: list[Sample]) -> RewardCounts:
+    for s in samples:
+        s.reward = 1.0 if s.response.startswith("1") else 0.0
+    return RewardCounts()
 
 
 @dataclass
@@ -156,13 +159,16 @@ def test_eval_accuracy_counts_the_answers_the_reward_marks_correct():
     """Accuracy is the share of greedy answers the reward marks ``correct``, whatever their
     scores (a format bonus can lift a wrong answer past 1); unmarked ones count at >= 1."""
 
-    def bonus(samples: list[Sample]) -> list[float]:  # right: 1 + 0.5, wrong: 0 + 1.2
+    async def bonus(samples: list[Sample]) -> RewardCounts:  # right: 1 + 0.5, wrong: 0 + 1.2
         for s in samples:
             s.correct = s.prompt.startswith("same")
-        return [1.5 if s.correct else 1.2 for s in samples]
+            s.reward = 1.5 if s.correct else 1.2
+        return RewardCounts()
 
-    def unmarked(samples: list[Sample]) -> list[float]:
-        return [1.0 if s.prompt.startswith("same") else 0.9 for s in samples]
+    async def unmarked(samples: list[Sample]) -> RewardCounts:
+        for s in samples:
+            s.reward = 1.0 if s.prompt.startswith("same") else 0.9
+        return RewardCounts()
 
     async def main(reward: Any) -> float:
         fake = FakeSGLang()

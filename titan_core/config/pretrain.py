@@ -8,11 +8,15 @@ group starts.
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from titan_core.config.loader import ConfigError, Section
+
+_SPLIT_PART = re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
 class ModelConfig(Section):
@@ -73,6 +77,12 @@ class ModelConfig(Section):
                 f"model.moe_router_topk ({self.moe_router_topk}) exceeds "
                 f"model.num_moe_experts ({self.num_moe_experts})"
             )
+        if self.max_position_embeddings and self.seq_length > self.max_position_embeddings:
+            raise ValueError(
+                f"model.seq_length ({self.seq_length}) exceeds model.max_position_embeddings "
+                f"({self.max_position_embeddings}); lower seq_length or raise "
+                "max_position_embeddings"
+            )
         return self
 
 
@@ -117,6 +127,9 @@ class TrainConfig(Section):
     eval_interval: PositiveInt | None = None
     #: global batches per evaluation.
     eval_iters: PositiveInt = 4
+    #: stop (and save) at the first evaluation whose eval/accuracy reaches this fraction;
+    #: train.train_iters is then the cap. None: run all train.train_iters steps.
+    stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
     #: FP8 training through Transformer Engine ("e4m3" / "hybrid"); GPU only.
     fp8: Literal["e4m3", "hybrid"] | None = None
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "blockwise"
@@ -129,6 +142,10 @@ class TrainConfig(Section):
             raise ValueError("train.bf16 and train.fp16 are exclusive; set one of them")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr ({self.min_lr}) exceeds train.lr ({self.lr})")
+        if self.stop_at_eval_accuracy is not None and not self.eval_interval:
+            raise ValueError(
+                "train.stop_at_eval_accuracy needs evaluations: set train.eval_interval (e.g. 25)"
+            )
         decay = self.lr_decay_iters or self.train_iters
         if self.lr_warmup_iters >= decay:
             raise ValueError(
@@ -157,16 +174,58 @@ class DataConfig(Section):
     num_samples: PositiveInt = 200_000
     cache_dir: str | None = None
 
+    @field_validator("data_path", mode="before")
+    @classmethod
+    def _weights_as_text(cls, value: object) -> object:
+        """``[0.3, a, 0.7, b]`` as YAML reads it: the weights come as numbers."""
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int | float) else v for v in value]
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.type == "indexed" and not self.data_path:
             raise ValueError("data.data_path is required when data.type=indexed")
+        self.split_weights()
+        self.blend()
         if self.tokenizer_type == "hf" and not self.tokenizer_model:
             raise ValueError(
                 "data.tokenizer_model (a tokenizer.json file or HF directory) is required "
                 "when data.tokenizer_type=hf"
             )
         return self
+
+    def split_weights(self) -> list[float]:
+        """``data.split`` as (train, validation, test) weights, in megatron's reading of it."""
+        parts = [p.strip() for p in self.split.split(",")]
+        if not 1 <= len(parts) <= 3 or not all(_SPLIT_PART.fullmatch(p) for p in parts):
+            raise ValueError(
+                f"data.split {self.split!r} must be up to three non-negative numbers "
+                "separated by commas: train,validation,test weights, e.g. 98,2,0"
+            )
+        weights = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+        if weights[0] <= 0:
+            raise ValueError(
+                f"data.split {self.split!r} gives training no share; make its first weight "
+                "positive, e.g. 98,2,0"
+            )
+        return weights
+
+    def blend(self) -> tuple[list[str], list[float] | None]:
+        """``data.data_path`` as megatron's blend: (prefixes, weights or None)."""
+        paths = self.data_path
+        if len(paths) <= 1:
+            return list(paths), None
+        hint = "data.data_path must be one prefix or pairs of weight and prefix: [w1, p1, w2, p2]"
+        if len(paths) % 2:
+            raise ValueError(hint)
+        try:
+            weights = [float(w) for w in paths[0::2]]
+        except ValueError:
+            raise ValueError(f"{hint}; got {paths}") from None
+        if not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ValueError(f"data.data_path weights must be positive numbers; got {weights}")
+        return list(paths[1::2]), weights
 
 
 class CheckpointConfig(Section):
@@ -180,6 +239,9 @@ class CheckpointConfig(Section):
     keep_last: int = Field(2, ge=0)
     #: resume automatically from the latest complete checkpoint.
     auto_resume: bool = True
+    #: on SIGTERM / SIGINT, finish the current step, save it and exit 143 / 130 (what
+    #: Megatron-LM's --exit-signal-handler does for SIGTERM); false: exit without saving.
+    save_on_signal: bool = True
     #: start from these model weights (a checkpoint folder holding the tracker file) when
     #: there is nothing to resume; the step count, optimizer and data start afresh.
     pretrained_checkpoint: str | None = None
@@ -254,6 +316,12 @@ class PretrainConfig(Section):
             )
         if p.overlap_moe_expert_parallel_comm and not (self.train.bf16 or self.train.fp16):
             raise ValueError("parallel.overlap_moe_expert_parallel_comm needs train.bf16=true")
+        d = self.data
+        if self.train.eval_interval and d.type != "arithmetic_sft" and d.split_weights()[1] == 0:
+            raise ValueError(
+                f"train.eval_interval needs a validation split, but data.split {d.split!r} "
+                "gives it none; give data.split a nonzero second weight (e.g. 98,2,0)"
+            )
         return self
 
 

@@ -31,32 +31,15 @@ def arithmetic_corpus_prefix(cfg: PretrainConfig, tokenizer) -> Path:  # noqa: A
                 d.num_samples, d.num_digits, seed=cfg.train.seed, fmt=d.arithmetic_format
             )
         )
-        write_indexed_dataset(docs, prefix, tokenizer.vocab_size, tokenizer.eod)
+        write_indexed_dataset(docs, prefix, tokenizer)
     return prefix
 
 
 def _blend(cfg: PretrainConfig, tokenizer) -> tuple[list[str], list[float] | None]:  # noqa: ANN001
+    """Megatron's blend; the files were checked at start-up (titan_core.data.checks)."""
     if cfg.data.type == "arithmetic":
         return [str(arithmetic_corpus_prefix(cfg, tokenizer))], None
-    paths = list(cfg.data.data_path)
-    if len(paths) == 1:
-        prefix = paths[0]
-        if not indexed_dataset_exists(prefix):
-            raise FileNotFoundError(
-                f"data.data_path {prefix}: no {prefix}.bin/.idx; make them with "
-                "python -m titan_core.data.preprocess"
-            )
-        return paths, None
-    if len(paths) % 2:
-        raise ValueError(
-            "data.data_path must be one prefix or pairs of weight and prefix: [w1, p1, w2, p2]"
-        )
-    weights = [float(w) for w in paths[0::2]]
-    prefixes = paths[1::2]
-    for prefix in prefixes:
-        if not indexed_dataset_exists(prefix):
-            raise FileNotFoundError(f"data.data_path {prefix}: no {prefix}.bin/.idx")
-    return prefixes, weights
+    return cfg.data.blend()
 
 
 def build_gpt_datasets(cfg: PretrainConfig, tokenizer, train_samples: int, valid_samples: int):  # noqa: ANN001, ANN201
@@ -105,6 +88,11 @@ def build_gpt_datasets(cfg: PretrainConfig, tokenizer, train_samples: int, valid
         )
         cls = MockGPTDataset if cfg.data.type == "synthetic" else GPTDataset
         sizes = [train_samples, valid_samples, 0]
+        # Build no split the run does not read: megatron-core builds one of size 0 anyway,
+        # and loops forever when it has no tokens (see titan_core.data.checks).
+        config.split_matrix = [
+            m if n else None for m, n in zip(config.split_matrix, sizes, strict=True)
+        ]
         return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
 
     if rank == 0:

@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Iterator
 
 import orjson
 from tqdm import tqdm
 
-from titan_core.data.indexed import write_indexed_dataset
+from titan_core.data.indexed import EmptyDatasetError, write_indexed_dataset
 from titan_core.data.tokenizer import build_tokenizer
 
 
@@ -46,19 +47,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-model", default=None)
     ap.add_argument("--no-append-eod", action="store_true")
     args = ap.parse_args(argv)
+    skipped: list[int] = []
     try:
         tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        skipped: list[int] = []
-        n = write_indexed_dataset(
+        record = write_indexed_dataset(
             _documents(args.input, args.json_key, tok, skipped),
             args.output_prefix,
-            tok.vocab_size,
-            None if args.no_append_eod else tok.eod,
+            tok,
+            append_eod=not args.no_append_eod,
         )
+    except EmptyDatasetError:
+        why = f"; {len(skipped)} rows had no string {args.json_key!r}" if skipped else ""
+        print(
+            f"error: {args.input}: no documents with text{why}; nothing written "
+            f"(check the file and --json-key)",
+            file=sys.stderr,
+        )
+        return 2
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {n} documents to {args.output_prefix}.bin/.idx", end="")
+    n = record.num_sequences
+    print(
+        f"wrote {n} documents ({record.num_tokens} tokens) to {args.output_prefix}.bin/.idx",
+        end="",
+    )
     if skipped:
         print(
             f"; skipped {len(skipped)} rows without a string {args.json_key!r} "
@@ -70,4 +83,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A cancelled job (SIGTERM) unwinds like an error, so no temporary file is left behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     raise SystemExit(main())

@@ -7,10 +7,21 @@ Both expose what megatron-core's datasets read (``vocab_size``, ``eod``, ``pad``
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+
+
+def vocab_sha256(tokens: Iterable[tuple[int, str]]) -> str:
+    """A fingerprint of (id, token) pairs in id order: equal for two tokenizers whose ids
+    mean the same tokens."""
+    h = hashlib.sha256()
+    for i, token in sorted(tokens):
+        h.update(f"{i}\t{token}\n".encode())
+    return h.hexdigest()
 
 
 class ByteTokenizer:
@@ -36,6 +47,12 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     decode = detokenize
+
+    def vocab_fingerprint(self, num_ids: int | None = None) -> str:
+        """sha256 of the tokens with ids below ``num_ids`` (all by default)."""
+        names = [f"<0x{b:02X}>" for b in range(256)] + ["<eod>", "<pad>"]
+        n = self.vocab_size if num_ids is None else num_ids
+        return vocab_sha256(enumerate(names[:n]))
 
 
 class HFTokenizer:
@@ -78,6 +95,12 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in np.asarray(ids).tolist()])
 
     decode = detokenize
+
+    def vocab_fingerprint(self, num_ids: int | None = None) -> str:
+        """sha256 of the tokens with ids below ``num_ids`` (all by default)."""
+        n = self.vocab_size if num_ids is None else num_ids
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return vocab_sha256((i, t) for t, i in vocab.items() if i < n)
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None):  # noqa: ANN201

@@ -27,12 +27,14 @@ from titan_core.checkpoint import (
     save_checkpoint,
     saved_vocab_rows,
 )
-from titan_core.checkpoint.dist import unwrap
+from titan_core.checkpoint.dist import iteration_dir, unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
 from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.signals import StopSignals, signal_name
 from titan_core.training.annotate import MicrobatchAnnotator
+from titan_core.training.finite import check_loss_and_grads, check_params
 from titan_core.training.metrics import MetricsWriter, drop_records_after, format_status
 from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_core.training.profiling import StepProfiler
@@ -183,6 +185,12 @@ def _reduce_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     return float(value[0] / value[1].clamp(min=1))
 
 
+_NONFINITE_HINT = (
+    "Lower train.lr or set train.clip_grad (or check the data), then resume from the last "
+    "checkpoint."
+)
+
+
 @dataclass(frozen=True)
 class _Load:
     """Where a run's weights come from: a checkpoint folder and iteration; ``resume``: the
@@ -194,7 +202,8 @@ class _Load:
 
 
 class Trainer:
-    """Builds everything from a config, then ``train()`` runs until ``train.train_iters``."""
+    """Builds everything from a config, then ``train()`` runs until ``train.train_iters`` (or
+    the first evaluation reaching ``train.stop_at_eval_accuracy``)."""
 
     def __init__(self, cfg: PretrainConfig, accel: Accelerator, dp_size: int) -> None:
         self.cfg = cfg
@@ -221,6 +230,10 @@ class Trainer:
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
         self.step = 0
         self.consumed_samples = 0
+        #: the latest eval/accuracy (kept in checkpoints for train.stop_at_eval_accuracy)
+        self.eval_accuracy: float | None = None
+        #: the stop signal that ended ``train()`` (None: it ran to its end)
+        self.stopped_by: int | None = None
 
     # ---- checkpoints ---------------------------------------------------------------
     def _checkpoint_to_load(self) -> _Load | None:
@@ -251,17 +264,20 @@ class Trainer:
             self.step = int(common["step"])
             self.consumed_samples = int(common["consumed_samples"])
             self.scheduler.load_state_dict(common["scheduler"])
+            self.eval_accuracy = common.get("eval_accuracy")
             self._say(f"resumed from {src.root} at step {self.step}")
         else:
             load_checkpoint(src.root, src.iteration, self.model, optimizer=None)
             self._say(f"initialized weights from {src.root} (iteration {src.iteration})")
 
     def save(self) -> None:
+        check_params(self.model, f"step {self.step}: checkpoint refused", _NONFINITE_HINT)
         common: dict[str, Any] = {
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "scheduler": self.scheduler.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
+            "eval_accuracy": self.eval_accuracy,
         }
         save_checkpoint(
             self.save_dir,
@@ -311,6 +327,10 @@ class Trainer:
                 decoder_seq_length=self.cfg.model.seq_length,
                 forward_only=False,
             )
+        check_loss_and_grads(
+            self.model, [x["lm loss"] for x in losses], f"step {self.step}", _NONFINITE_HINT,
+            check_grads=not t.fp16,  # the fp16 loss scaler skips a step with inf gradients
+        )  # fmt: skip
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=t.global_batch_size)
@@ -351,9 +371,22 @@ class Trainer:
                 chunk.train()
         return _reduce_eval(records)
 
-    def train(self) -> list[dict[str, Any]]:
+    def _target_met(self) -> bool:
+        target = self.cfg.train.stop_at_eval_accuracy
+        return target is not None and (self.eval_accuracy or 0.0) >= target
+
+    def train(self, signals: StopSignals | None = None) -> list[dict[str, Any]]:
+        """Train to ``train.train_iters`` (or the accuracy target); with ``signals``, a stop
+        signal ends the run after the current step, saved (``stopped_by`` is then set)."""
         cfg, t = self.cfg, self.cfg.train
         self.maybe_resume()
+        target = t.stop_at_eval_accuracy
+        if self._target_met():
+            self._say(
+                f"nothing to do: eval accuracy {self.eval_accuracy:.3f} at step {self.step} "
+                f"already meets train.stop_at_eval_accuracy={target}"
+            )
+            return []
         remaining = t.train_iters - self.step
         valid_samples = t.eval_iters * t.global_batch_size if t.eval_interval else 0
         train_ds, valid_ds = build_gpt_datasets(
@@ -376,7 +409,16 @@ class Trainer:
         history = []
         if self.step >= t.train_iters:
             self._say(f"nothing to do: already at step {self.step} of {t.train_iters}")
+        elif target is not None:
+            self._say(
+                f"training until eval accuracy >= {target} (train.stop_at_eval_accuracy), "
+                f"evaluating every {t.eval_interval} steps, at most {t.train_iters} steps"
+            )
         try:
+            signum = self._agreed_stop(signals)
+            if signum is not None:  # during start-up: nothing new to save
+                self._stop_on_signal(signum, new_step=False)
+                return history
             for self.step in range(self.step + 1, t.train_iters + 1):  # noqa: B020
                 with profiler.step(self.step), self.annotator.step(profiler.active(self.step)):
                     self.accel.synchronize()
@@ -398,17 +440,77 @@ class Trainer:
                     self.step % t.eval_interval == 0 or self.step == t.train_iters
                 ):
                     record.update(self.evaluate(valid_ds))
+                    self.eval_accuracy = record.get("eval/accuracy")
                 history.append(record)
                 writer.write(record)
                 if self.step % t.log_interval == 0 or "eval/loss" in record:
                     self._say(format_status(record, t.train_iters))
                 interval = cfg.checkpoint.save_interval
-                if (interval and self.step % interval == 0) or self.step == t.train_iters:
+                stop = "eval/accuracy" in record and self._target_met()
+                saved = False
+                if (interval and self.step % interval == 0) or self.step == t.train_iters or stop:
                     self.save()
+                    saved = True
+                if stop:
+                    self._say(
+                        f"eval accuracy {self.eval_accuracy:.3f} >= "
+                        f"train.stop_at_eval_accuracy={target}: stopped at step {self.step} "
+                        f"(cap {t.train_iters})"
+                    )
+                    break
+                if self.step < t.train_iters:
+                    signum = self._agreed_stop(signals)
+                    if signum is not None:
+                        self._stop_on_signal(signum, new_step=True, saved=saved)
+                        break
+            else:
+                if target is not None and self.step == t.train_iters:
+                    self._say(
+                        f"reached train.train_iters={t.train_iters} with eval accuracy "
+                        f"{self.eval_accuracy or 0.0:.3f}, below "
+                        f"train.stop_at_eval_accuracy={target}; raise train.train_iters "
+                        "and run again to train on"
+                    )
         finally:
             writer.close()
             profiler.close()
         return history
+
+    # ---- stop signals (preemption) --------------------------------------------------
+    def _agreed_stop(self, signals: StopSignals | None) -> int | None:
+        """The stop signal's number if any rank got one. Every rank calls this at the same
+        step: under torchrun one rank may get SIGTERM before the others, or alone, and all
+        must stop (and save) at the same step."""
+        if signals is None:
+            return None
+        signum = signals.requested or 0
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([signum], dtype=torch.int64, device=_collective_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signum = int(flag.item())
+        return signum or None
+
+    def _stop_on_signal(self, signum: int, new_step: bool, saved: bool = False) -> None:
+        """Save the step just completed (``checkpoint.save_on_signal``) and say how to go on."""
+        if new_step and not saved and self.cfg.checkpoint.save_on_signal:
+            self.save()
+            saved = True
+        self.stopped_by = signum
+        where = f"at step {self.step}" if new_step else f"before step {self.step + 1}"
+        if saved:
+            state, action = f"saved {iteration_dir(self.save_dir, self.step).name}", "resume"
+        else:
+            last = latest_iteration(self.save_dir)
+            state = "not saved (checkpoint.save_on_signal=false)" if new_step else "nothing new"
+            state += (
+                f", last checkpoint {iteration_dir(self.save_dir, last)}"
+                if last is not None
+                else ", no checkpoint yet"
+            )
+            action = "resume from it" if last is not None else "start over"
+        self._say(
+            f"stopped by {signal_name(signum)} {where}; {state}; rerun the same command to {action}"
+        )
 
     def _say(self, text: str) -> None:
         if self.rank == 0:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig
+from titan_rl.actors.recovery import EngineRecovery, Resync
 from titan_rl.actors.router import RouterProcess
 from titan_rl.actors.server import ServerProcess
 
@@ -52,6 +53,10 @@ class RolloutEngine:
 
     def restarts(self) -> int:
         return self.server.restarts
+
+    def gave_up(self) -> bool:
+        """The server died and its supervisor stopped restarting it."""
+        return self.server.gave_up
 
     def command(self) -> list[str]:
         return self.server.command()
@@ -125,6 +130,26 @@ class RolloutEngineGroup:
             self.stop()  # leave no half-started servers behind
             raise
         return self.url
+
+    def restarts(self) -> int:
+        """Restarts of all engines by their supervisors since the start."""
+        import ray
+
+        return sum(ray.get([a.restarts.remote() for a in self.actors]))
+
+    def gave_up(self) -> list[str]:
+        """URLs of the engines whose supervisor stopped restarting them."""
+        import ray
+
+        lost = ray.get([a.gave_up.remote() for a in self.actors])
+        return [u for u, g in zip(self.urls, lost, strict=True) if g]
+
+    def recovery(self, resync: Resync, timeout_s: float) -> EngineRecovery:
+        """The driver-side recovery of these engines (after :meth:`start`)."""
+        return EngineRecovery(
+            self.urls, resync, router=self.router, api_key=self.cfg.server.api_key,
+            version=self.cfg.server.weight_version, timeout_s=timeout_s, gave_up=self.gave_up,
+        )  # fmt: skip
 
     def stop(self) -> None:
         import ray

@@ -111,6 +111,8 @@ class ServerProcess:
         self.backend, self.device = resolve_backend(cfg)
         self.port = cfg.port or free_port(cfg.host)
         self.restarts = 0
+        #: the supervisor saw the server die and will not restart it (max_restarts reached)
+        self.gave_up = False
         self._proc: subprocess.Popen | None = None
         self._stopping = False
         self._watch: threading.Thread | None = None
@@ -222,6 +224,7 @@ class ServerProcess:
                 continue
             if not self.cfg.restart_on_failure or self.restarts >= self.cfg.max_restarts:
                 log.error("%s: server exited with %s; not restarting", self.name, proc.returncode)
+                self.gave_up = True
                 self._watch = None
                 return
             log.warning("%s: server exited with %s; restarting", self.name, proc.returncode)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from titan_core.config import Section
 
@@ -20,7 +20,8 @@ class RewardConfig(Section):
     the stripped label (the arithmetic default). math_verify: a ``\\boxed{}`` answer, else a
     final "answer is X", else the last number, compared to the label with math-verify.
     custom: ``custom_path = "module:function"`` (or ``"path/to/file.py:function"``) called as
-    ``fn(prompt, response, label, metadata) -> float | dict`` (a dict carries ``"score"``).
+    ``fn(prompt, response, label, metadata) -> float | dict`` (a dict carries ``"score"``),
+    a plain or an ``async def`` function; a score must be a finite number or a bool.
     ``format_reward`` is added to the score of a well-formed response: one matching
     ``format_pattern`` (``re.search``, DOTALL) or, without a pattern, one whose answer could
     be extracted. Use a negative weight with a pattern that matches bad output for a penalty.
@@ -28,11 +29,21 @@ class RewardConfig(Section):
 
     type: Literal["exact_match", "math_verify", "custom"] = "exact_match"
     custom_path: str | None = None
-    format_reward: float = 0.0
+    format_reward: float = Field(0.0, allow_inf_nan=False)
     format_pattern: str | None = None
     stop_strings: list[str] = Field(default_factory=lambda: list(DEFAULT_STOP_STRINGS))
-    #: math-verify: seconds allowed per parse / comparison before the sample scores 0.
-    timeout_s: float = Field(5.0, gt=0.0)
+    #: wall-clock seconds one sample's reward call may run in a reward worker (custom and
+    #: math_verify rewards, and any with a format_pattern; a plain exact match is a string
+    #: comparison, scored inline). Past it the worker is killed and replaced, and the sample
+    #: scores ``timeout_score`` (counted in ``reward/timeouts``).
+    timeout_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
+    timeout_score: float = Field(0.0, allow_inf_nan=False)
+    #: a reward that is not a finite number or a bool (NaN, inf, None, a string): "error"
+    #: stops the run naming the sample; "drop" leaves the sample out of the loss (its group
+    #: baseline is its group's valid rewards) and counts it in ``reward/invalid``.
+    on_invalid: Literal["error", "drop"] = "error"
+    #: worker processes scoring rewards concurrently, off the driver's event loop.
+    num_workers: PositiveInt = 4
 
     @field_validator("format_pattern")
     @classmethod

@@ -13,9 +13,11 @@ import multiprocessing
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from pebble import ProcessExpired, ProcessPool
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_SPACE = re.compile(r"\\boxed +([^\s$]+)")
@@ -85,40 +87,44 @@ def verify_answer_unsafe(label: str, answer: str, timeout_s: float = 5.0) -> boo
 
 
 class SubprocessRunner:
-    """Runs picklable calls in one spawned helper process with a wall-clock limit."""
+    """Runs picklable calls in one spawned helper process with a wall-clock limit.
+
+    A helper that runs past the limit is killed, and one that dies (a crash in C code, the
+    OOM killer) is reaped: either way the call returns its default and the next call gets a
+    fresh helper (pebble's pool replaces the worker).
+    """
 
     def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
+        self._pool: ProcessPool | None = None
         self._lock = threading.Lock()
 
-    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float, default: Any) -> Any:
-        """``fn(*args)`` in the helper; ``default`` (and a fresh helper) if it takes too long."""
+    def _live_pool(self) -> ProcessPool:
         with self._lock:
-            if self._pool is None:
+            if self._pool is None or not self._pool.active:
                 ctx = multiprocessing.get_context("spawn")
-                self._pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
-            pool = self._pool
-        future = pool.submit(fn, *args)
-        try:
-            return future.result(timeout=timeout_s)
-        except FutureTimeout:
-            self._kill(pool)
-            return default
+                self._pool = ProcessPool(max_workers=1, context=ctx)
+            return self._pool
 
-    def _kill(self, pool: ProcessPoolExecutor) -> None:
-        with self._lock:
-            if self._pool is pool:
-                self._pool = None
-        # The executor has no public way to stop a busy worker: terminate it directly.
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float, default: Any) -> Any:
+        """``fn(*args)`` in the helper; ``default`` if it takes too long or the helper dies."""
+        pool = self._live_pool()
+        try:
+            return pool.schedule(fn, args=args, timeout=timeout_s).result()
+        except (FutureTimeout, ProcessExpired):
+            return default
+        except BrokenProcessPool:  # the pool itself is gone: the next call starts another
+            with self._lock:
+                if self._pool is pool:
+                    self._pool = None
+            pool.stop()
+            return default
 
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.stop()
+            pool.join()
 
 
 _RUNNER = SubprocessRunner()

@@ -1,14 +1,26 @@
-"""Score responses: exact match, math-verify or a custom function, plus a format reward."""
+"""Score responses: exact match, math-verify or a custom function, plus a format reward.
+
+A custom function's value is checked where it enters: only a finite number or a bool is a
+score (``"1"`` is not 1.0, NaN is not a score); anything else is an InvalidRewardError naming
+``reward.custom_path``, the value and the sample.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+import numpy as np
 
 from titan_rl.rewards.config import RewardConfig
 from titan_rl.rewards.custom import load_custom_reward
+from titan_rl.rewards.errors import InvalidRewardError
 from titan_rl.rewards.math_answer import math_reward
 
 
@@ -36,11 +48,41 @@ class RewardResult:
     correct: bool | None
     well_formed: bool | None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: "scored"; "timeout": the call ran past reward.timeout_s; "invalid": the reward was not
+    #: a finite number and reward.on_invalid=drop (see titan_rl.rewards.pool).
+    status: Literal["scored", "timeout", "invalid"] = "scored"
 
     @property
     def is_correct(self) -> bool:
         """Right as the reward says (``correct``), else a full score (``score >= 1``)."""
         return self.correct if self.correct is not None else self.score >= 1.0
+
+
+def _short(text: Any, limit: int = 80) -> str:
+    s = str(text)
+    return repr(s if len(s) <= limit else s[:limit] + "...")
+
+
+def describe_sample(prompt: str, response: str, label: Any) -> str:
+    """A sample as error messages name it: prompt, response and label, shortened."""
+    return f"the sample with prompt {_short(prompt)}, response {_short(response)}, label {label!r}"
+
+
+def checked_score(value: Any, where: str, sample: str) -> float:
+    """``value`` as a float when it is a finite number or a bool; else InvalidRewardError
+    naming ``where`` (the config key), the value and ``sample``."""
+    if isinstance(value, numbers.Real | np.bool_) and not isinstance(value, str):
+        try:
+            score = float(value)
+        except (OverflowError, ValueError):
+            score = math.nan
+        if math.isfinite(score):
+            return score
+    raise InvalidRewardError(
+        f"{where} returned {value!r} ({type(value).__name__}) for {sample}: a reward must be a "
+        "finite number or a bool; fix the function, or set reward.on_invalid=drop to leave "
+        "such samples out of the loss"
+    )
 
 
 def _field(sample: Any, name: str, default: Any = None) -> Any:
@@ -56,6 +98,28 @@ class RewardScorer:
         self.cfg = cfg
         self._pattern = re.compile(cfg.format_pattern, re.DOTALL) if cfg.format_pattern else None
         self._custom = load_custom_reward(cfg.custom_path) if cfg.type == "custom" else None
+        #: runs ``async def`` custom rewards (one loop, so their clients can be reused)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def warm_up(self) -> None:
+        """Import what the first call would (math-verify pulls in sympy: seconds)."""
+        if self.cfg.type == "math_verify":
+            import math_verify  # noqa: F401
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    def _call_custom(self, prompt: str, response: str, label: str, metadata: dict) -> Any:
+        """The custom function's value; an ``async def`` one runs on this scorer's own loop,
+        so a thread running an event loop cannot score it (the RewardPool's workers can)."""
+        out = self._custom(prompt, response, label, metadata)  # type: ignore[misc]
+        if inspect.isawaitable(out):
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            out = self._loop.run_until_complete(out)
+        return out
 
     def score_one(
         self, prompt: str, response: str, label: Any, metadata: dict | None = None
@@ -64,20 +128,22 @@ class RewardScorer:
         label_s = "" if label is None else str(label)
         extra: dict[str, Any] = {}
         if self._custom is not None:
-            out = self._custom(prompt, response, label_s, dict(metadata or {}))
+            where = f"reward.custom_path {cfg.custom_path}"
+            sample = describe_sample(prompt, response, label)
+            out = self._call_custom(prompt, response, label_s, dict(metadata or {}))
             if isinstance(out, Mapping):
                 key = "score" if "score" in out else "reward" if "reward" in out else None
                 if key is None:
-                    raise ValueError(
-                        f"custom reward {cfg.custom_path} returned a dict without 'score': "
-                        f"{sorted(out)}"
+                    raise InvalidRewardError(
+                        f"{where} returned a dict without 'score' for {sample}: "
+                        f"{sorted(map(str, out))}"
                     )
                 extra = {k: v for k, v in out.items() if k != key}
-                base = float(out[key])
+                base = checked_score(out[key], where, sample)
                 correct = extra.get("correct", extra.get("acc"))
                 correct = None if correct is None else bool(correct)
             else:
-                base = float(out)
+                base = checked_score(out, where, sample)
                 correct = None
             well_formed = None
         elif cfg.type == "exact_match":

@@ -3,6 +3,9 @@
 One connection pool, a concurrency limit on generation, timeouts, and retries with
 exponential backoff and jitter on connection errors and 5xx answers, never on 4xx (those are
 the caller's mistake and come back as :class:`SGLangRequestError` with the server's message).
+Retries last a time window (:class:`RetryPolicy`), not a number of attempts: a request that
+was in flight when its server died is sent again, whole and with its rid, to the server its
+supervisor restarts, or by a router to another engine.
 """
 
 from __future__ import annotations
@@ -46,13 +49,27 @@ class WeightUpdateError(SGLangError):
 
 @dataclass
 class RetryPolicy:
-    """Retries for connection errors and 5xx; ``max_retries`` extra attempts after the first."""
+    """Retries of connection errors and 5xx answers for ``timeout_s`` from the first failure
+    (the last one at the deadline), and at most ``max_retries`` extra attempts when set.
 
-    max_retries: int = 5
+    The window, not a count, is what must cover a server's restart: with the backoff growing
+    to ``max_backoff_s``, five retries are over in ~6 s, long before a restarted engine
+    answers (~20 s for the built-in engine on 2 busy cores, minutes for SGLang loading a
+    large model).
+    """
+
+    timeout_s: float = 60.0
+    max_retries: int | None = None
     initial_backoff_s: float = 0.2
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
     jitter: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.timeout_s < 0:
+            raise ValueError(f"RetryPolicy.timeout_s must be >= 0, got {self.timeout_s}")
+        if self.max_retries is not None and self.max_retries < 0:
+            raise ValueError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
 
     def delay(self, attempt: int) -> float:
         base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt)
@@ -156,6 +173,8 @@ class SGLangClient:
         )
         self._sem = asyncio.Semaphore(max_concurrency)
         self._begin_end_supported: bool | None = None
+        #: attempts sent again after a connection error or a 5xx (a measure of trouble)
+        self.retried = 0
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -177,10 +196,14 @@ class SGLangClient:
         retries: int | None = None,
         allow_404: bool = False,
     ) -> httpx.Response:
-        """Send with retries on connection errors and 5xx; raise SGLangRequestError on 4xx."""
-        max_retries = self.retry.max_retries if retries is None else retries
+        """Send with retries on connection errors and 5xx (within the retry window; at most
+        ``retries`` extra attempts when given); raise SGLangRequestError on 4xx."""
+        policy = self.retry
+        max_retries = policy.max_retries if retries is None else retries
+        first_failure: float | None = None  # the window opens here (a long generation is fine)
         last: str = ""
-        for attempt in range(max_retries + 1):
+        attempt = 0
+        while True:
             try:
                 resp = await self._http.request(
                     method, path, json=json, timeout=timeout or self._ctl_timeout
@@ -196,10 +219,18 @@ class SGLangClient:
                 if resp.status_code not in RETRY_STATUS:
                     raise SGLangRequestError(resp.status_code, _error_message(resp), path)
                 last = f"HTTP {resp.status_code}: {_error_message(resp)}"
-            if attempt < max_retries:
-                await asyncio.sleep(self.retry.delay(attempt))
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            left = first_failure + policy.timeout_s - now
+            if (max_retries is not None and attempt >= max_retries) or left <= 0:
+                break
+            await asyncio.sleep(min(policy.delay(attempt), left))
+            attempt += 1
+            self.retried += 1
         raise SGLangUnavailableError(
-            f"{method} {self.base_url}{path} failed after {max_retries + 1} attempts; last error: {last}"
+            f"{method} {self.base_url}{path} failed after {attempt + 1} attempts over "
+            f"{time.monotonic() - first_failure:.1f}s (retry window {policy.timeout_s:g}s); "
+            f"last error: {last}"
         )
 
     # ---- health ---------------------------------------------------------------------------
@@ -230,6 +261,21 @@ class SGLangClient:
 
     async def get_server_info(self) -> dict[str, Any]:
         return (await self.request("GET", "/get_server_info")).json()
+
+    async def weight_version(self) -> str | None:
+        """The version of the weights the server holds now, in one attempt; None when it does
+        not answer (dead, restarting) or answers 5xx."""
+        try:
+            resp = await self._http.get("/get_model_info", timeout=10.0)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            version = resp.json().get("weight_version")
+        except ValueError:
+            return None
+        return None if version is None else str(version)
 
     # ---- generation -------------------------------------------------------------------------
     async def generate_raw(self, payload: dict[str, Any]) -> Any:
@@ -343,10 +389,14 @@ class SGLangClient:
     async def continue_generation(self) -> None:
         await self.request("POST", "/continue_generation", {})
 
-    async def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+    async def abort_request(
+        self, rid: str = "", abort_all: bool = False, *, retries: int | None = None
+    ) -> None:
         if not rid and not abort_all:
             raise ValueError("give a rid or abort_all=True")
-        await self.request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        await self.request(
+            "POST", "/abort_request", {"rid": rid, "abort_all": abort_all}, retries=retries
+        )
 
     async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         await self.request("POST", "/release_memory_occupation", {"tags": tags})

@@ -6,6 +6,9 @@ rank 0 alone talks to the engines. An engine that fails during a sync never serv
 update as new: it keeps its old ``weight_version``; if it had already applied buckets, it is
 restored from the last full version on disk when one is known (the engine's start-up weights
 or the last disk sync), and otherwise left paused. Either way :class:`WeightSyncError` names it.
+
+:meth:`WeightSync.resync` sends the trainer's weights to some engines alone (ones their
+supervisor restarted on the start-up weights), aborting what they were generating.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import torch.multiprocessing
 
 from titan_core.models.hf import HFBridge
 from titan_rl.rollout import SGLangClient
-from titan_rl.sync import parity
+from titan_rl.sync import parity, shm_reaper
 from titan_rl.sync.buckets import NamedTensors, bucket_nbytes
 from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.process_group import destroy_weights_update_group
 from titan_rl.sync.transports import (
     DiskTransport,
     DistributedTransport,
@@ -152,6 +156,70 @@ class WeightSync:
         :class:`WeightSyncError` naming failed engines, :class:`ParityError` in strict mode.
         """
         version = str(step if version is None else version)
+        metrics = self._push(chunks, version, None)
+        self.num_syncs += 1
+        if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
+            metrics.update(self.check(chunks))
+        if _rank() == self.dst and self.metrics is not None:
+            self.metrics.write({"step": step, **metrics})
+        return metrics
+
+    def resync(self, chunks: list[Any], urls: list[str], version: str) -> dict[str, float]:
+        """Send the weights the trainer holds to the engines at ``urls`` alone, as ``version``
+        (restarted engines; the others keep serving). What those engines were generating is
+        aborted (the requests' senders refuse it by its old version and send it again).
+
+        Every trainer rank calls this; the parity check, when ``sync.check_every`` is on, runs
+        on those engines (``resync/logprob_abs_diff_*``). Raises WeightSyncError, ParityError
+        (strict) as :meth:`sync` does.
+        """
+        unknown = [u for u in urls if u not in self.engine_urls]
+        if unknown:
+            raise ValueError(f"resync: {unknown} are not among the engines {self.engine_urls}")
+        if not urls:
+            return {}
+        engines = None
+        if _rank() == self.dst:
+            engines = [e for e in self._engines() if e.url in urls]
+            self._forget(engines)
+        t0 = time.perf_counter()
+        metrics = {
+            f"resync/{k.removeprefix('sync/')}": v
+            for k, v in self._push(chunks, version, engines, restarted=True).items()
+        }
+        if self.cfg.check_every:
+            stats = self.check(chunks, engines)
+            metrics.update({f"resync/{k.removeprefix('sync/')}": v for k, v in stats.items()})
+        if _rank() == self.dst:
+            log.warning(
+                "gave %s the trainer's weights as version %s in %.2fs",
+                urls, version, time.perf_counter() - t0,
+            )  # fmt: skip
+        return metrics
+
+    def _forget(self, engines: list[Engine]) -> None:
+        """A restarted engine holds no state of earlier syncs: no process group (distributed
+        transport), no restore point but its start-up weights."""
+        tr = self._transport
+        for e in engines:
+            self.restore_paths.pop(e.url, None)
+            if isinstance(tr, DistributedTransport):
+                pg = tr.groups.pop(e.url, None)
+                if pg is not None:
+                    try:  # the peer is gone: tear down our side of the old group
+                        destroy_weights_update_group(pg)
+                    except Exception as ex:
+                        log.warning("%s: dropping the old weight group: %s", e.url, _describe(ex))
+
+    def _push(
+        self,
+        chunks: list[Any],
+        version: str,
+        engines: list[Engine] | None,
+        restarted: bool = False,
+    ) -> dict[str, float]:
+        """Export the weights (every rank) and send them to ``engines`` (None: all) from rank
+        ``dst``."""
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         out = None
         if self._direct and _rank() == self.dst:
@@ -168,21 +236,20 @@ class WeightSync:
         if _rank() != self.dst:
             for _ in buckets:  # take part in the gathers
                 pass
-            metrics: dict[str, float] = {}
-        else:
-            metrics = self._run(self._sync_engines(buckets, version))
-        self.num_syncs += 1
-        if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
-            metrics.update(self.check(chunks))
-        if _rank() == self.dst and self.metrics is not None:
-            self.metrics.write({"step": step, **metrics})
-        return metrics
+            return {}
+        engines = self._engines() if engines is None else engines
+        return self._run(self._sync_engines(buckets, version, engines, restarted))
 
     async def _sync_engines(
-        self, buckets: Iterator[NamedTensors], version: str
+        self,
+        buckets: Iterator[NamedTensors],
+        version: str,
+        engines: list[Engine],
+        restarted: bool = False,
     ) -> dict[str, float]:
+        """``restarted``: engines that just started (their requests are aborted, not retracted
+        into the new weights; they hold their KV cache, so it is not resumed)."""
         tr = self._get_transport()
-        engines = self._engines()
         for e in engines:
             e.applied = 0
             e.extra.pop("left_paused", None)
@@ -194,7 +261,7 @@ class WeightSync:
 
         t_start = time.perf_counter()
         await self._remember_restore_points(engines)
-        fail(await _pause(engines, self.cfg.pause_mode), "pause")
+        fail(await _pause(engines, "abort" if restarted else self.cfg.pause_mode), "pause")
         t0 = time.perf_counter()
         live = [e for e in engines if e.url not in failures]
         fail(await tr.begin(live, version), "begin")
@@ -213,7 +280,7 @@ class WeightSync:
                     str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
                 )
         serving = [e for e in engines if not e.extra.get("left_paused")]
-        if self.cfg.resume_kv_cache:  # colocated: the KV cache comes back after the weights
+        if self.cfg.resume_kv_cache and not restarted:  # colocated: the KV cache comes back
             fail(
                 await _each_call(
                     serving, lambda e: e.client.resume_memory_occupation(KV_CACHE_TAGS)
@@ -223,7 +290,8 @@ class WeightSync:
         await _each_call(serving, lambda e: e.client.continue_generation())
         if failures:
             raise WeightSyncError(failures, version)
-        self.version = version
+        if not restarted:
+            self.version = version
         total_s = time.perf_counter() - t_start
         return {
             "sync/time_s": total_s,
@@ -292,8 +360,9 @@ class WeightSync:
         )
 
     # ---- parity ----------------------------------------------------------------------------------
-    def check(self, chunks: list[Any]) -> dict[str, float]:
-        """Score the probe on every engine and on the trainer; mean/max |diff| over all.
+    def check(self, chunks: list[Any], engines: list[Engine] | None = None) -> dict[str, float]:
+        """Score the probe on every engine (or ``engines``) and on the trainer; mean/max |diff|
+        over all.
 
         Every trainer rank must call this (the trainer side runs megatron's forward-only
         schedule over TP / PP / VPP); the metrics come back on ``dst``, ``{}`` elsewhere.
@@ -306,10 +375,12 @@ class WeightSync:
             return {}
 
         async def score() -> list[list[torch.Tensor]]:
-            engines = self._engines()
             return list(
                 await asyncio.gather(
-                    *(parity.engine_logprobs(e.client, self.probe) for e in engines)
+                    *(
+                        parity.engine_logprobs(e.client, self.probe)
+                        for e in engines or self._engines()
+                    )
                 )
             )
 
@@ -357,6 +428,7 @@ def _share_parameters(chunks: list[Any]) -> set[int]:
         if p.device.type == "cpu" and not p.data.is_shared():
             torch.multiprocessing.set_sharing_strategy("file_system")
             p.data.share_memory_()
+            shm_reaper.track(p.untyped_storage())  # unlinked even after a kill -9
     return {p.untyped_storage().data_ptr() for p in params}
 
 

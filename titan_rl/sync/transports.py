@@ -19,6 +19,7 @@ import torch.multiprocessing
 
 from titan_rl.engine.weights import unflatten
 from titan_rl.rollout import SGLangClient
+from titan_rl.sync import shm_reaper
 from titan_rl.sync.buckets import (
     NamedTensors,
     bucket_nbytes,
@@ -100,7 +101,10 @@ class _Staging:
             if self.shared:  # shared by file name: any local process can open it
                 torch.multiprocessing.set_sharing_strategy("file_system")
             buf = torch.empty(need, dtype=torch.uint8, device=self.device)
-            self.buf = buf.share_memory_() if self.shared else buf
+            if self.shared:
+                buf.share_memory_()
+                shm_reaper.track(buf.untyped_storage())  # unlinked even after a kill -9
+            self.buf = buf
         return self.buf
 
     def release(self) -> None:
@@ -161,6 +165,7 @@ class TensorTransport(Transport):
         if t is None or t.shape != shape or t.dtype != dtype:
             torch.multiprocessing.set_sharing_strategy("file_system")
             t = torch.empty(shape, dtype=dtype).share_memory_()
+            shm_reaper.track(t.untyped_storage())
             self._shadows[name] = t
         return t
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titan_rl.sample import Sample
+from titan_rl.sample import Sample, Status
 
 
 @dataclass
@@ -59,7 +59,7 @@ def pack_samples(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -
         seq = s.tokens
         tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         p, r = len(s.prompt_tokens), s.response_length
-        if r:
+        if r and s.status != Status.FAILED:  # FAILED (e.g. an invalid reward): no loss
             mask[i, p - 1 : p - 1 + r] = 1.0
             if len(s.rollout_log_probs) == r:
                 rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs)

@@ -102,18 +102,28 @@ class TrainerWorker:
         )
 
     def sync_weights(self, step: int) -> dict[str, float]:
+        """Push the weights to the engines; NonFiniteError (nothing sent) if any is not
+        finite, so an engine never serves a poisoned model."""
         if self.sync is None:
             raise RuntimeError("connect_engines() first")
+        self.trainer.check_finite(f"step {step}: weight sync")
         self.mark("sync", True)
         try:
             return self.sync.sync(self._chunks, step)
         finally:
             self.mark("sync", False)
 
-    def train(self, batch: RLBatch) -> dict[str, float]:
+    def resync_engines(self, urls: list[str], version: str) -> dict[str, float]:
+        """Send the weights held now to restarted engines as ``version`` (WeightSync.resync)."""
+        if self.sync is None:
+            raise RuntimeError("connect_engines() first")
+        self.trainer.check_finite(f"resync of {urls}")
+        return self.sync.resync(self._chunks, urls, version)
+
+    def train(self, batch: RLBatch, step: int | None = None) -> dict[str, float]:
         self.mark("train", True)
         try:
-            return self.trainer.train(batch)
+            return self.trainer.train(batch, step=step)
         finally:
             self.mark("train", False)
 
@@ -175,8 +185,12 @@ class TrainerGroup:
     def sync_weights(self, step: int) -> dict[str, float]:
         return self._all("sync_weights", step)[0]
 
-    def train(self, batch: RLBatch) -> dict[str, float]:
-        return self._all("train", batch)[0]
+    def resync_engines(self, urls: list[str], version: str) -> dict[str, float]:
+        """Runs after the work already sent to the trainers (Ray keeps each actor's order)."""
+        return self._all("resync_engines", urls, version)[0]
+
+    def train(self, batch: RLBatch, step: int | None = None) -> dict[str, float]:
+        return self._all("train", batch, step)[0]
 
     def begin_step(self, step: int) -> None:
         self._all("begin_step", step)

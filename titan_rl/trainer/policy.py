@@ -34,12 +34,19 @@ from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
 from titan_core.models.hf.from_titan import llama_config_for
 from titan_core.parallel.initialize import initialize
 from titan_core.training.annotate import MicrobatchAnnotator
+from titan_core.training.finite import check_finite_values, check_loss_and_grads, check_params
 from titan_core.training.loop import configure_schedule_hooks, wrap_model
 from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_rl.algo.advantages import compute_advantages
 from titan_rl.algo.losses import policy_loss
 from titan_rl.config import GRPOConfig
 from titan_rl.trainer.batch import RLBatch
+
+#: what to look at when a loss, gradient or parameter is not finite
+NONFINITE_HINT = (
+    "Check the rewards (reward.custom_path, reward.on_invalid) and the size of the update "
+    "(train.lr, train.clip_grad), then resume from the last checkpoint."
+)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -122,6 +129,7 @@ class PolicyTrainer:
 
         from safetensors.torch import save_file
 
+        self.check_finite(f"HF export to {path}")
         tensors: dict[str, torch.Tensor] = {}
         for bucket in self.export_hf(self.cfg.sync.bucket_bytes):
             tensors.update({n: t.contiguous() for n, t in bucket})
@@ -134,8 +142,14 @@ class PolicyTrainer:
         if dist.is_initialized():
             dist.barrier()
 
+    def check_finite(self, what: str) -> None:
+        """NonFiniteError (on every rank) unless every parameter is finite: call before the
+        weights leave the trainer (a sync, a checkpoint, an export)."""
+        check_params(self.model, f"{what}: refused", NONFINITE_HINT)
+
     # ---- checkpoints -----------------------------------------------------------------
     def save(self, step: int, extra: dict[str, Any]) -> None:
+        self.check_finite(f"step {step}: checkpoint")
         common = {"step": step, "scheduler": self.scheduler.state_dict(), **extra}
         save_checkpoint(self.save_dir, step, self.model, self.optimizer, common, keep_last=2)
 
@@ -219,16 +233,25 @@ class PolicyTrainer:
             return None
         return torch.cat([o["logprobs"] for o in out])
 
-    def train(self, batch: RLBatch, local: bool = False) -> dict[str, float]:
+    def train(
+        self, batch: RLBatch, local: bool = False, step: int | None = None
+    ) -> dict[str, float]:
         """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics.
 
         ``local``: ``batch`` holds this DP rank's rows only (slime and miles split a rollout
         over DP ranks themselves); sequences are then counted over the DP group, and rows
-        without a trained token (padding) are not counted.
+        without a trained token (padding) are not counted. ``step`` names the RL step in
+        errors. Non-finite rewards, loss or gradients raise NonFiniteError before any
+        optimizer step is applied.
         """
         cfg = self.cfg
         start = time.perf_counter()
+        where = f"step {step}" if step is not None else "policy update"
         rows = batch if local else self._local_rows(batch)
+        device = self.accel.device()
+        check_finite_values(rows.rewards, f"{where}: rewards", NONFINITE_HINT, device)
+        if rows.advantages is not None:
+            check_finite_values(rows.advantages, f"{where}: advantages", NONFINITE_HINT, device)
         old = rows.old_logprobs
         if old is None:
             old = self.logprobs(rows, local=True)
@@ -282,11 +305,16 @@ class PolicyTrainer:
             loss = loss * num * scale
             return loss, {k: torch.tensor(float(v)) for k, v in m.items()}
 
-        for _ in range(cfg.ppo_steps):
+        for i in range(cfg.ppo_steps):
             for chunk in self.model:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
             out = self._run(self.model, fields, loss_fn, forward_only=False)
+            check_loss_and_grads(
+                self.model, [o["loss"] for o in out],
+                f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,
+                check_grads=not self.pcfg.train.fp16,  # the fp16 loss scaler skips inf steps
+            )  # fmt: skip
             ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=len(batch))

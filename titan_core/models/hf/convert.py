@@ -122,6 +122,9 @@ def model_config_from_hf(source: str | Path | dict[str, Any], **overrides: Any) 
             moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)),
             moe_grouped_gemm=False,
         )
+    # the default training length, within what the checkpoint's positions cover
+    default_len = ModelConfig.model_fields["seq_length"].default
+    values["seq_length"] = min(default_len, values["max_position_embeddings"])
     values.update(overrides)
     return ModelConfig.model_validate(values)
 
