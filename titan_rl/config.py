@@ -56,6 +56,14 @@ class RolloutConfig(Section):
     #: "keep" keeps it (off-policy). Both count it in ``rollout/stale_samples``.
     on_stale_version: Literal["resend", "keep"] = "resend"
 
+    @model_validator(mode="after")
+    def _check(self) -> RolloutConfig:
+        if self.top_k == 0 or self.top_k < -1:  # the engines' rule (SGLang's and the built-in)
+            raise ValueError(
+                f"rollout.top_k={self.top_k}: use -1 (the whole vocabulary) or at least 1"
+            )
+        return self
+
 
 class EnginesConfig(Section):
     """Rollout engines: built-in on CPU, SGLang on GPUs."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from titan_core.config import ConfigError, load_config
 from titan_rl.config import GRPOConfig
 from titan_rl.placement import placement_plan
+from titan_rl.preflight import check_base_matches, learning_warnings
 
 if TYPE_CHECKING:
     from titan_core.signals import StopSignals
@@ -54,6 +55,11 @@ def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
         raise ConfigError(
             "sync.resume_kv_cache=true is for colocated engines (their KV cache is released "
             "while training); set engines.colocate=true or leave sync.resume_kv_cache unset"
+        )
+    if cfg.engines.num_engines > 1 and not cfg.engines.router:
+        raise ConfigError(
+            f"engines.num_engines={cfg.engines.num_engines} needs engines.router=true: the "
+            "rollout sends every request to one URL, the router's, which spreads them"
         )
     algo, sync = cfg.algo, cfg.sync
     if algo.use_tis is None:  # one-step off-policy samples need the importance correction
@@ -448,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = resolve_config(load_config(GRPOConfig, args.config, args.overrides))
+        check_base_matches(cfg)
+        for line in learning_warnings(cfg):
+            print(f"warning: {line}", file=sys.stderr)
         if args.dry_run:
             print("\n".join(placement_plan(cfg)))
             return 0

@@ -103,7 +103,7 @@ class RolloutEngineGroup:
             return self.router.url
         if len(self.urls) == 1:
             return self.urls[0]
-        raise RuntimeError("several engines without a router: enable rollout.router")
+        raise RuntimeError("several engines without a router: set engines.router=true")
 
     def start(self) -> str:
         import ray

@@ -38,8 +38,8 @@ def resolve_backend(cfg: EngineServerConfig) -> tuple[str, str]:
         backend = "builtin" if device == "cpu" else "sglang"
     if backend == "sglang" and device == "cpu":
         raise ValueError(
-            "rollout.server.backend is 'sglang' but the accelerator is cpu; SGLang's CPU build is "
-            "not installable here, so use backend 'builtin' (or 'auto') on CPU"
+            "engines.backend is 'sglang' but the accelerator is cpu; SGLang's CPU build is "
+            "not installable here, so use engines.backend=builtin (or auto) on CPU"
         )
     if backend == "builtin" and cfg.tp_size != 1:
         raise ValueError("the built-in CPU engine runs with tp_size 1")

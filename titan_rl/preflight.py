@@ -1,0 +1,76 @@
+"""Checks of a GRPO config that need more than the config itself, run before any work
+(before the base is pretrained and before Ray starts), and warnings about settings that
+cannot learn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from titan_core.checkpoint import CheckpointError, latest_iteration
+from titan_core.checkpoint.dist import iteration_dir
+from titan_core.config import ConfigError
+from titan_rl.config import GRPOConfig
+
+#: the model keys that decide the checkpoint's tensors (the others, e.g. seq_length or
+#: dropout, may differ between pretraining and RL)
+SHAPE_KEYS = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+    "kv_channels", "normalization", "position_embedding_type", "swiglu", "add_bias_linear",
+    "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "num_moe_experts",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
+)  # fmt: skip
+
+#: advantage estimators that compare the samples of one prompt
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def saved_model_section(load: str | Path) -> dict | None:
+    """The ``model`` section a Titan checkpoint was trained with (from its ``common.pt``,
+    no tensor loaded), or None where there is no checkpoint or it records none."""
+    iteration = latest_iteration(load)
+    if iteration is None:
+        return None
+    common = torch.load(
+        iteration_dir(load, iteration) / "common.pt", map_location="cpu", weights_only=True
+    )
+    return ((common.get("common") or {}).get("config") or {}).get("model")
+
+
+def check_base_matches(cfg: GRPOConfig) -> None:
+    """A ``model`` section that does not match the Titan base checkpoint is a ConfigError
+    naming each key, before anything starts (the load would fail after Ray started)."""
+    if cfg.policy.format != "titan":
+        return
+    try:
+        saved = saved_model_section(cfg.policy.load)
+    except CheckpointError as e:
+        raise ConfigError(f"policy.load: {e}") from None
+    if not saved:
+        return
+    ours = cfg.model.model_dump()
+    diff = [
+        f"model.{k}={ours.get(k)!r} (the checkpoint: {saved[k]!r})"
+        for k in SHAPE_KEYS
+        if k in saved and saved[k] != ours.get(k)
+    ]
+    if diff:
+        raise ConfigError(
+            f"the model section does not match the base checkpoint policy.load={cfg.policy.load}: "
+            f"{'; '.join(diff)}; set these keys as the checkpoint has them (or point "
+            "policy.load at the checkpoint this model section describes)"
+        )
+
+
+def learning_warnings(cfg: GRPOConfig) -> list[str]:
+    """Settings that run but cannot learn, one line each."""
+    out = []
+    r, estimator = cfg.rollout, cfg.algo.advantage_estimator
+    if r.temperature == 0 and estimator in GROUP_ESTIMATORS:
+        out.append(
+            f"rollout.temperature=0 with algo.advantage_estimator={estimator}: every sample of "
+            "a prompt is the same greedy answer, so the group advantages are all zero and the "
+            "policy does not change; use a temperature > 0 (e.g. 1.0)"
+        )
+    return out
