@@ -76,9 +76,16 @@ def ensure_base_policy(pol: PolicyConfig) -> None:
     load = Path(pol.load)
     if load.name != "checkpoints":
         raise ConfigError("policy.load must end in /checkpoints when policy.pretrain_config is set")
-    target = load_config(
-        PretrainConfig, pol.pretrain_config, pol.pretrain_overrides
-    ).train.stop_at_eval_accuracy
+    recipe = load_config(PretrainConfig, pol.pretrain_config, pol.pretrain_overrides)
+    target = recipe.train.stop_at_eval_accuracy
+    if have is None and Path(recipe.run.dir).resolve() != load.parent.resolve():
+        # a mistyped policy.load would otherwise start minutes of pretraining in its place
+        raise ConfigError(
+            f"policy.load {load} holds no Titan checkpoint, and it is not where "
+            f"policy.pretrain_config ({pol.pretrain_config}) trains its base (run.dir "
+            f"{recipe.run.dir}). If policy.load is mistyped, correct it; to pretrain a new "
+            f"base there, add run.dir={load.parent} to policy.pretrain_overrides"
+        )
     if have is None:
         print(
             f"no base checkpoint at {load}: pretraining it first with titan_core.pretrain "

@@ -50,6 +50,7 @@ def pretrain_calls(monkeypatch):
 def _policy(run_dir: Path, **kw) -> PolicyConfig:
     recipe = run_dir.parent / "recipe.yaml"
     recipe.write_text(RECIPE)
+    kw["pretrain_overrides"] = [*kw.get("pretrain_overrides", []), f"run.dir={run_dir}"]
     return PolicyConfig(load=str(run_dir / "checkpoints"), pretrain_config=str(recipe), **kw)
 
 
@@ -128,3 +129,16 @@ def test_base_without_metrics_or_target_is_taken_as_is(tmp_path, pretrain_calls)
 def test_missing_base_without_a_recipe_says_what_to_do(tmp_path):
     with pytest.raises(ConfigError, match="policy.pretrain_config is not set"):
         base_policy.ensure_base_policy(PolicyConfig(load=str(tmp_path / "checkpoints")))
+
+
+def test_a_mistyped_load_is_not_pretrained(tmp_path, pretrain_calls):
+    """A missing base is pretrained only where the recipe trains it (its run.dir, or one set
+    in policy.pretrain_overrides), never in a mistyped place."""
+    calls, _ = pretrain_calls
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE)
+    typo = PolicyConfig(load=str(tmp_path / "bsae" / "checkpoints"), pretrain_config=str(recipe))
+    with pytest.raises(ConfigError, match="policy.pretrain_overrides") as e:
+        base_policy.ensure_base_policy(typo)
+    assert "bsae" in str(e.value) and "is not where" in str(e.value)
+    assert calls == [] and not (tmp_path / "bsae").exists()

@@ -162,7 +162,7 @@ def test_sigterm_while_pretraining_the_base_stops_the_child_too(tmp_path):
     job = Job([
         sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
         f"policy.load={load}", f"run.dir={tmp_path / 'run'}",
-        "policy.pretrain_overrides=[train.log_interval=1]",
+        f"policy.pretrain_overrides=[train.log_interval=1,run.dir={load.parent}]",
     ])  # fmt: skip
     job.wait_for(r"^step +2/")  # the pretraining child's status line
     (child,) = [p for p in job.descendants() if "titan_core.pretrain" in " ".join(p.cmdline())]
