@@ -23,6 +23,17 @@ from titan_core import signals
 PR_SET_PDEATHSIG = 1
 
 
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child signalled (SIGTERM) when this process dies; None
+    off Linux, and off the main thread (the kernel signals when the *thread* that started
+    the child exits, which for a worker thread is long before the process does)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return _die_with(os.getpid())
+
+
 def _die_with(parent: int) -> Callable[[], None] | None:
     """A ``preexec_fn`` that has the child signalled when ``parent`` dies (Linux only)."""
     if not sys.platform.startswith("linux"):

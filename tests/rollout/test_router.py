@@ -123,3 +123,37 @@ def test_engine_killed_mid_batch_requests_finish_on_the_other(
             "/generate", json={"input_ids": prompts, "sampling_params": params}
         ).json()
     assert [o.output_ids for o in outs] == [e["output_ids"] for e in expected]
+
+
+_ORPHAN = """
+import sys, time
+from titan_rl.actors.config import RouterConfig
+from titan_rl.actors.router import RouterProcess
+router = RouterProcess(RouterConfig(log_dir=sys.argv[1]))
+router.start(wait=True)
+print(router._proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_router_dies_with_the_driver(tmp_path: Path) -> None:
+    """A ``kill -9`` of the process that started the router (the GRPO driver) stops it too."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    driver = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        router_pid = int(driver.stdout.readline())
+        assert psutil.pid_exists(router_pid)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait()
+        gone, _ = psutil.wait_procs([psutil.Process(router_pid)], timeout=30)
+        assert gone, "the router outlived the driver"
+    finally:
+        driver.kill()

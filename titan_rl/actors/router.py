@@ -48,6 +48,9 @@ def build_router_command(cfg: RouterConfig, port: int, api_key: str | None = Non
 class RouterProcess(ServerProcess):
     """The router process; reuses ServerProcess's start / health / stop."""
 
+    #: the driver starts the router: a ``kill -9`` of the driver must not leave it serving
+    dies_with_parent = True
+
     def __init__(self, cfg: RouterConfig, api_key: str | None = None, name: str = "router") -> None:
         self.router_cfg = cfg
         self.api_key = api_key

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from titan_core.accelerator import get_accelerator
+from titan_core.child_process import die_with_parent
 from titan_rl.actors.config import EngineServerConfig
 
 log = logging.getLogger("titan_rl.actors")
@@ -105,6 +106,10 @@ class ServerProcess:
     the URL the router knows.
     """
 
+    #: stop with the process that started it (a ``kill -9`` of it leaves no orphan); off for
+    #: engines, which a Ray actor starts and stops, and may restart from its watch thread
+    dies_with_parent = False
+
     def __init__(self, cfg: EngineServerConfig, name: str = "engine") -> None:
         self.cfg = cfg
         self.name = name
@@ -147,6 +152,7 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 env=build_env(self.cfg),
                 start_new_session=True,
+                preexec_fn=die_with_parent() if self.dies_with_parent else None,
             )
         log.info("%s: started pid %s on %s", self.name, self._proc.pid, self.url)
         if wait:
