@@ -157,3 +157,17 @@ def test_router_dies_with_the_driver(tmp_path: Path) -> None:
         assert gone, "the router outlived the driver"
     finally:
         driver.kill()
+
+
+def test_two_routers_on_one_machine(tmp_path: Path) -> None:
+    """Two jobs (or a test beside a run) each start a router: both serve (the routers'
+    metrics exporters no longer share sglang-router's fixed default port)."""
+    routers = [RouterProcess(RouterConfig(log_dir=str(tmp_path)), name=f"r{i}") for i in (0, 1)]
+    try:
+        for r in routers:
+            r.start(wait=True)
+        for r in routers:
+            assert httpx.get(r.url + "/workers", timeout=10).status_code == 200
+    finally:
+        for r in routers:
+            r.stop()

@@ -40,6 +40,10 @@ def build_router_command(cfg: RouterConfig, port: int, api_key: str | None = Non
         "--log-level",
         "warn",
     ]
+    if "--prometheus-port" not in cfg.extra_args:
+        # its metrics exporter binds a fixed port (29000) by default, so a second router on
+        # the machine (another job, a test beside a run) panicked with "Address already in use"
+        cmd += ["--prometheus-host", cfg.host, "--prometheus-port", str(free_port(cfg.host))]
     if api_key:
         cmd += ["--api-key", api_key]
     return cmd + list(cfg.extra_args)
