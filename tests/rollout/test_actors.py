@@ -65,7 +65,7 @@ def test_builtin_command_line_and_backend_choice(tiny_model: Path) -> None:
     cfg = EngineServerConfig(model_path=str(tiny_model), num_threads=2)
     if get_accelerator().name == "cpu":
         assert resolve_backend(cfg) == ("builtin", "cpu")
-        with pytest.raises(ValueError, match="use backend 'builtin'"):
+        with pytest.raises(ValueError, match="use engines.backend=builtin"):
             resolve_backend(EngineServerConfig(model_path="m", backend="sglang"))
     cmd = build_command(cfg, 31001, "builtin", "cpu")
     assert (
