@@ -310,28 +310,24 @@ class Engine:
         self, rid: str | None, abort_all: bool = False, message: str = "aborted by request"
     ) -> int:
         """Finish matching running or queued sequences with an ``abort`` finish reason."""
+
+        def aborted(s: Sequence) -> bool:
+            if not (abort_all or _rid_matches(s.rid, rid)):
+                return False
+            s.finish_reason = {"type": "abort", "message": message}
+            self._finish(s)
+            return True
+
         n = 0
         with self._lock:
             for waiting in self._pending:
-                kept: deque[Sequence] = deque()
-                for s in waiting.seqs:
-                    if abort_all or _rid_matches(s.rid, rid):
-                        s.finish_reason = {"type": "abort", "message": message}
-                        self._finish(s)
-                        n += 1
-                    else:
-                        kept.append(s)
+                kept = deque(s for s in waiting.seqs if not aborted(s))
+                n += len(waiting.seqs) - len(kept)
                 waiting.seqs = kept
             self._pending = deque(w for w in self._pending if w.seqs)
             self._num_pending = sum(len(w.seqs) for w in self._pending)
-        keep = []
-        for i, s in enumerate(self.active):
-            if abort_all or _rid_matches(s.rid, rid):
-                s.finish_reason = {"type": "abort", "message": message}
-                self._finish(s)
-                n += 1
-            else:
-                keep.append(i)
+        keep = [i for i, s in enumerate(self.active) if not aborted(s)]
+        n += len(self.active) - len(keep)
         if len(keep) != len(self.active):
             self._select_rows(keep)
         return n
