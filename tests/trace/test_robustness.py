@@ -154,6 +154,7 @@ def test_runs_without_complete_events_change_nothing(
     """Long runs of memory (instant) events, which the parser skips undecoded, leave the
     parsed columns exactly as they are without them."""
     import titan_core.trace.parse as parse
+    from titan_core.trace.sorter import Sorter
 
     monkeypatch.setattr(parse, "SPLIT_MIN_TEXT_BYTES", 0)
     src = next((traces / "nccl_parser_config").glob("*.gz"))
@@ -171,8 +172,8 @@ def test_runs_without_complete_events_change_nothing(
     padded = raw[:first] + run + raw[first + len(sep) : cut] + run + raw[cut + len(sep) :]
     (tmp_path / "padded.json.gz").write_bytes(gzip.compress(padded))
     decoded = []  # pieces handed to the sorter (in this process)
-    add = parse._Sorter.add
-    monkeypatch.setattr(parse._Sorter, "add", lambda s, *a: decoded.append(1) or add(s, *a))
+    add = Sorter.add
+    monkeypatch.setattr(Sorter, "add", lambda s, *a: decoded.append(1) or add(s, *a))
     plain = parse_file(src, parts=parts)
     n_plain = len(decoded)
     with_runs = parse_file(tmp_path / "padded.json.gz", parts=parts)

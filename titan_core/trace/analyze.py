@@ -20,13 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from titan_core.trace.breakdown import RankResult, analyze_rank
+from titan_core.trace.cache import load_cached
 from titan_core.trace.categories import TraceConfig, busbw_factor
 from titan_core.trace.clock import clock_offsets
 from titan_core.trace.critical_path import analyze_steps
 from titan_core.trace.forked import Forked
+from titan_core.trace.gc_pause import gc_paused
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
-from titan_core.trace.parse import TraceError, find_trace_files, gc_paused, load_cached
+from titan_core.trace.parse import TraceError, find_trace_files
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
 from titan_core.trace.stragglers import slow_ranks
 

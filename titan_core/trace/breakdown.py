@@ -11,14 +11,15 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from itertools import compress, islice, repeat
+from itertools import compress, repeat
 from operator import eq, gt, le, lt, sub
 from typing import Any
 
 from titan_core.trace import intervals as iv
 from titan_core.trace.categories import KIND_CODE, KINDS, TraceConfig
+from titan_core.trace.columns import Events, RankTrace
 from titan_core.trace.comm import CommOp, extract_comm_ops
-from titan_core.trace.parse import Events, RankTrace
+from titan_core.trace.device_events import GpuEvents, gpu_events
 
 _STEP_RE = re.compile(r"ProfilerStep\s*#\s*(\d+)")
 #: ``record_function`` ranges Titan emits per microbatch: titan/microbatch/fwd/mb3/vs0
@@ -61,78 +62,6 @@ class RankResult:
     compute_coarse: tuple[list[int], list[int]]
     n_events: int
     warnings: list[str] = field(default_factory=list)
-
-
-@dataclass
-class GpuEvents:
-    """A rank's device events sorted by start (stable), with the host launch of each."""
-
-    ts: list[int]
-    end: list[int]
-    name: list[str]
-    kind: list[int]
-    info: list[tuple | None]
-    #: start of the host event that launched it (same correlation), or None
-    launch_ts: list[int | None]
-    #: correlation id of each event; the launches' (correlation, thread) columns
-    corr: list[int] = field(default_factory=list)
-    launches: tuple[list[int], list[Any]] = ([], [])
-
-    def __len__(self) -> int:
-        return len(self.ts)
-
-    def launch_threads(self, events: list[int]) -> list[Any]:
-        """The thread that launched each of ``events`` (None without a launch; for a
-        repeated correlation, its first launch's). Only comm kernels need threads, so
-        only their correlations are looked up."""
-        want = {self.corr[i] for i in events}
-        corr, tid = self.launches
-        keep = list(map(want.__contains__, corr))
-        # backwards: a repeated correlation keeps its first launch's thread
-        corr, tid = list(compress(corr, keep)), list(compress(tid, keep))
-        first = dict(zip(reversed(corr), reversed(tid), strict=True))
-        return [first.get(self.corr[i]) for i in events]
-
-
-def gpu_events(ev: Events, cfg: TraceConfig) -> GpuEvents:
-    corr = ev.launch_corr
-    l_ts = ev.launch_ts
-    l_tid = ev.launch_tid
-    # correlation -> start of its launch (threads: GpuEvents.launch_threads, on demand);
-    # usually each correlation has one launch, and building the dict backwards keeps the first
-    ts_of = dict(zip(reversed(corr), reversed(l_ts), strict=True))
-    if len(ts_of) != len(corr):  # repeated correlations: the earliest start
-        ts_of = {}
-        for c, t in zip(corr, l_ts, strict=True):
-            cur = ts_of.get(c)
-            if cur is None or t < cur:
-                ts_of[c] = t
-    ts = ev.dev_ts
-    if not ts:
-        return GpuEvents([], [], [], [], [], [])
-    end = ev.dev_end
-    names = ev.dev_name
-    info = ev.dev_info
-    dcorr = ev.dev_corr
-    if any(map(gt, ts, islice(ts, 1, None))):  # stable sort by start: ties keep file order
-        order = sorted(range(len(ts)), key=ts.__getitem__)
-        ts, end, names, info, dcorr = (
-            list(map(col.__getitem__, order)) for col in (ts, end, names, info, dcorr)
-        )
-    else:  # the columns stay the parsed events' own
-        names = list(names)
-        info = list(info)
-    kind_of = {n: KIND_CODE[cfg.kernel_kind(n)] for n in set(names)}
-    return GpuEvents(
-        ts=ts,
-        end=end,
-        name=names,
-        kind=list(map(kind_of.__getitem__, names)),
-        info=info,
-        launch_ts=list(map(ts_of.get, dcorr)),
-        corr=dcorr,
-        launches=(corr, l_tid),
-    )
 
 
 def profiler_steps(ev: Events) -> list[tuple[int, int, int]]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from operator import itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from titan_core.trace.categories import (
     KIND_CODE,
@@ -26,10 +26,8 @@ from titan_core.trace.categories import (
     dtype_bytes,
     normalize_collective,
 )
-from titan_core.trace.parse import COMM_FIELDS, Events
-
-if TYPE_CHECKING:
-    from titan_core.trace.breakdown import GpuEvents
+from titan_core.trace.columns import COMM_FIELDS, Events
+from titan_core.trace.device_events import GpuEvents
 
 P2P = {"send", "recv", "sendrecv"}
 _PEER_RE = re.compile(r"(send|recv)\D*?(\d+)\s*(->|<-)\s*(\d+)", re.I)
