@@ -11,16 +11,16 @@ With ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in the environment SGLang reports the 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Self
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from titan_rl.engine.validation import RequestError, context_vocab_size, invalid, parse
 
 GREEDY_EPS = 1e-6
 
-
-class RequestError(ValueError):
-    """A request the caller got wrong: answered with HTTP 400 and this message."""
+__all__ = ["RequestError", "SamplingParams", "parse_sampling_params", "sample"]
 
 
 def _env_flag(name: str) -> bool:
@@ -41,6 +41,8 @@ _UNSUPPORTED = {
 class SamplingParams(BaseModel):
     """One request's ``sampling_params``; unknown keys are rejected as SGLang 0.5.23 does.
 
+    Token ids are checked against the vocabulary when the validation context holds
+    ``vocab_size`` (see :func:`parse_sampling_params`).
     ``sampling_seed`` makes a request reproducible whatever else shares the batch; copy ``i``
     of a request with ``n`` > 1 uses ``sampling_seed + i`` so the copies differ.
     """
@@ -81,10 +83,47 @@ class SamplingParams(BaseModel):
 
     @field_validator("stop_token_ids")
     @classmethod
-    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+    def _stop_ids(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
         if v is not None and any(t < 0 for t in v):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        vocab = context_vocab_size(info)
+        outside = [t for t in v or [] if vocab is not None and t >= vocab]
+        if outside:
+            raise invalid(f"{outside[0]} is outside the vocabulary (size {vocab})")
         return v
+
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise invalid(_UNSUPPORTED[str(info.field_name)])
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(
+        cls, v: dict[str, float] | None, info: ValidationInfo
+    ) -> dict[str, float] | None:
+        vocab = context_vocab_size(info)
+        for key, bias in (v or {}).items():
+            if not -1e4 <= bias <= 1e4:
+                raise invalid(f"{bias} for token {key} is outside [-1e4, 1e4]")
+            try:
+                tid = int(key)
+            except ValueError:
+                raise invalid(f"key {key!r} is not a token id") from None
+            if tid < 0 or (vocab is not None and tid >= vocab):
+                raise invalid(f"token {tid} is outside the vocabulary")
+        return v
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> Self:
+        if self.min_new_tokens > self.max_new_tokens:
+            raise invalid(
+                f"min_new_tokens ({self.min_new_tokens}) must not exceed "
+                f"max_new_tokens ({self.max_new_tokens})"
+            )
+        return self
 
     @property
     def greedy(self) -> bool:
@@ -96,6 +135,12 @@ class SamplingParams(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
 
 
+#: the message for a key :class:`SamplingParams` does not know
+UNKNOWN_SAMPLING_PARAMETER = (
+    f"unknown sampling parameter (supported: {', '.join(sorted(SamplingParams.model_fields))})"
+)
+
+
 def parse_sampling_params(
     raw: Any, vocab_size: int, where: str = "sampling_params"
 ) -> SamplingParams:
@@ -104,43 +149,13 @@ def parse_sampling_params(
         raw = {}
     if not isinstance(raw, dict):
         raise RequestError(f"{where} must be a JSON object, got {type(raw).__name__}")
-    try:
-        params = SamplingParams.model_validate(raw)
-    except ValidationError as e:
-        msgs = []
-        for err in e.errors():
-            key = ".".join(str(p) for p in err["loc"]) or "<root>"
-            if err["type"] == "extra_forbidden":
-                msgs.append(
-                    f"{where}.{key}: unknown sampling parameter (supported: "
-                    f"{', '.join(sorted(SamplingParams.model_fields))})"
-                )
-            else:
-                msgs.append(f"{where}.{key}: {err['msg']} (got {err.get('input')!r})")
-        raise RequestError("; ".join(msgs)) from None
-    for key, message in _UNSUPPORTED.items():
-        if getattr(params, key):
-            raise RequestError(f"{where}.{key}: {message}")
-    if params.min_new_tokens > params.max_new_tokens:
-        raise RequestError(
-            f"{where}: min_new_tokens ({params.min_new_tokens}) must not exceed "
-            f"max_new_tokens ({params.max_new_tokens})"
-        )
-    for t in params.stop_token_ids or []:
-        if t >= vocab_size:
-            raise RequestError(
-                f"{where}.stop_token_ids: {t} is outside the vocabulary (size {vocab_size})"
-            )
-    for key, bias in (params.logit_bias or {}).items():
-        if not -1e4 <= bias <= 1e4:
-            raise RequestError(f"{where}.logit_bias: {bias} for token {key} is outside [-1e4, 1e4]")
-        try:
-            tid = int(key)
-        except ValueError:
-            raise RequestError(f"{where}.logit_bias: key {key!r} is not a token id") from None
-        if not 0 <= tid < vocab_size:
-            raise RequestError(f"{where}.logit_bias: token {tid} is outside the vocabulary")
-    return params
+    return parse(
+        SamplingParams,
+        raw,
+        context={"vocab_size": vocab_size},
+        prefix=where,
+        unknown=UNKNOWN_SAMPLING_PARAMETER,
+    )
 
 
 def _filter_probs(
