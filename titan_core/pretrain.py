@@ -14,6 +14,8 @@ import warnings
 
 from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import PretrainConfig
+from titan_core.launcher_watch import launched_by_torchrun, watch_launcher
+from titan_core.run_lock import lock_for_rank
 from titan_core.startup import check_startup
 
 EXIT_CONFIG_ERROR = 2
@@ -39,10 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
         check_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         check_startup(cfg)  # folders and data, before any process group or model
-    except ConfigError as e:
+        # one job per run.dir: rank 0 holds its lock for the whole job, or exits 2 here
+        with lock_for_rank(cfg.run.dir, int(os.environ.get("RANK", "0"))):
+            if launched_by_torchrun():
+                watch_launcher()  # a worker whose torchrun agent is killed stops, saved
+            return run(cfg)
+    except ConfigError as e:  # run() reports its own; these are from before it started
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
-    return run(cfg)
 
 
 def run(cfg: PretrainConfig) -> int:

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from titan_core.config import ConfigError, load_config
+from titan_core.run_lock import RunLock
 from titan_rl.config import GRPOConfig
 from titan_rl.placement import placement_plan
-from titan_rl.preflight import check_base_matches, learning_warnings
+from titan_rl.preflight import check_base_dir, check_base_matches, learning_warnings
 
 if TYPE_CHECKING:
     from titan_core.signals import StopSignals
@@ -455,12 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(load_config(GRPOConfig, args.config, args.overrides))
         check_base_matches(cfg)
+        check_base_dir(cfg)
         for line in learning_warnings(cfg):
             print(f"warning: {line}", file=sys.stderr)
         if args.dry_run:
             print("\n".join(placement_plan(cfg)))
             return 0
-        return run(cfg)
+        with RunLock(cfg.run.dir):  # one job per run.dir, or exit 2 before Ray starts
+            return run(cfg)
     except (ConfigError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR

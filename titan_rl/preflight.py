@@ -63,6 +63,19 @@ def check_base_matches(cfg: GRPOConfig) -> None:
         )
 
 
+def check_base_dir(cfg: GRPOConfig) -> None:
+    """The Titan base is not kept in this run's own checkpoints folder: RL saves its
+    checkpoints and metrics in ``run.dir``, and a base pretrained there would run in the
+    ``run.dir`` this job holds locked (titan_core.run_lock)."""
+    own = Path(cfg.run.dir) / "checkpoints"
+    if cfg.policy.format == "titan" and Path(cfg.policy.load).resolve() == own.resolve():
+        raise ConfigError(
+            f"policy.load {cfg.policy.load} is this run's own checkpoints folder (run.dir "
+            f"{cfg.run.dir}), where RL saves its checkpoints and metrics; keep the base in a "
+            "folder of its own (e.g. policy.load=runs/base/checkpoints), or choose another run.dir"
+        )
+
+
 def learning_warnings(cfg: GRPOConfig) -> list[str]:
     """Settings that run but cannot learn, one line each."""
     out = []
