@@ -123,12 +123,6 @@ def test_the_lone_engine_killed_mid_rollout_is_restarted_on_the_current_weights(
     assert step2["resync/logprob_abs_diff_max"] < 1e-4, step2
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open defect (issue 23): when the kill lands in a sync window, the sync's parity "
-    "probe reads the restarted engine before its resync (2.53 seen); passes when it lands in "
-    "the rollout",
-)
 def test_one_of_two_engines_killed_the_other_serves_and_it_rejoins(tmp_path, base):
     run_dir = tmp_path / "two"
     job, out = _run_and_kill(run_dir, base, "engines.num_engines=2", "engines.router=true")

@@ -5,6 +5,8 @@
 weights are perturbed in place, so every sync carries weights the engine has not seen.
 ``tensor-direct`` is the tensor transport with ``sync.tensor_format=direct``; ``--syncs N``
 syncs N times per transport (perturbing before each), reporting each in ``rounds``.
+``--supervised``: the engines are supervised (an unreachable one is lost, not a failure);
+``--no-check-before``: no parity check before the sync (it needs every engine to answer).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main() -> None:
     ap.add_argument("--agents", nargs="*", default=[])
     ap.add_argument("--no-perturb", action="store_true")
     ap.add_argument("--syncs", type=int, default=1)
+    ap.add_argument("--supervised", action="store_true")
+    ap.add_argument("--no-check-before", action="store_true")
     a = ap.parse_args()
 
     from titan_core.config.pretrain import PretrainConfig
@@ -68,7 +72,7 @@ def main() -> None:
             transport=transport.removesuffix("-direct"), bucket_bytes=a.bucket_bytes,
             disk_dir=a.disk_dir, mooncake_agents=a.agents, check_every=1, strict=False, **extra,
         )  # fmt: skip
-        ws = WeightSync(sc, a.engines, a.model_dir)
+        ws = WeightSync(sc, a.engines, a.model_dir, supervised=a.supervised)
         res: dict = {"transport": transport, "rounds": []}
         for j in range(a.syncs):
             if not a.no_perturb:  # in place, as an optimizer step
@@ -78,13 +82,15 @@ def main() -> None:
                         for p in chunk.parameters():
                             p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
             version = f"v{i + 1}" if a.syncs == 1 else f"v{i + 1}.{j + 1}"
-            rnd: dict = {"version": version, "before": ws.check(chunks)}
+            rnd: dict = {
+                "version": version,
+                "before": {} if a.no_check_before else ws.check(chunks),
+            }
             try:
                 rnd["metrics"] = ws.sync(chunks, step=i + 1, version=version)
             except WeightSyncError as e:
                 rnd["error"] = str(e)
                 rnd["failed"] = sorted(e.failures)
-                rnd["after"] = ws.check(chunks)
             res["rounds"].append(rnd)
             if "error" in rnd:
                 break

@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -307,6 +308,36 @@ def test_failure_mid_sync_restores_old_weights_and_version(model_dir: Path, tmp_
         assert engine_scores(engine.url) == scores
     finally:
         engine.stop()
+
+
+def _dead_url() -> str:
+    """A local URL nothing listens on (an engine that died and is not back yet)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.slow
+def test_an_engine_lost_mid_sync_is_left_to_its_supervisor(
+    engine: ServerProcess, model_dir: Path, tmp_path: Path
+) -> None:
+    # One engine answers, one is gone. Unsupervised, the sync fails naming the lost one, and
+    # on the first refused connection: a sync never retries, because a retry could reach a
+    # restarted server that missed the calls before it. Supervised (the GRPO job), the live
+    # engine takes the weights and reaches parity; the lost one is counted and not scored.
+    dead = _dead_url()
+    args = ["--engines", engine.url, dead, "--model-dir", str(model_dir), "--transports", "tensor"]
+    args += ["--no-check-before"]
+    (r,) = run_worker(tmp_path, *args)
+    assert r["failed"] == [dead], r
+    assert "after 1 attempts" in r["error"], r["error"]
+    assert weight_version(engine.url) == "v1"  # the other engine is consistent
+    (r,) = run_worker(tmp_path, *args, "--supervised")
+    assert "error" not in r, r
+    m = r["metrics"]
+    assert m["sync/engines_lost"] == 1 and m["sync/parity_skipped"] == 1, m
+    assert m["sync/logprob_abs_diff_max"] < 1e-4, m
+    assert weight_version(engine.url) == "v1"
 
 
 def test_engine_keeps_the_storages_of_two_weight_versions_mapped() -> None:

@@ -7,6 +7,14 @@ update as new: it keeps its old ``weight_version``; if it had already applied bu
 restored from the last full version on disk when one is known (the engine's start-up weights
 or the last disk sync), and otherwise left paused. Either way :class:`WeightSyncError` names it.
 
+A sync is a sequence of calls that must all reach one server process, so its calls are never
+retried: a call retried after a connection error could reach a restarted server that missed
+the earlier ones (and, say, label its start-up weights with the new version). With
+``supervised`` engines (the GRPO job: a supervisor restarts a dead engine and the driver
+resyncs it, titan_rl/actors/recovery.py) an engine that becomes unreachable during a sync is
+*lost*, not a failure: the others take the new weights and ``sync/engines_lost`` counts it.
+The parity probe only scores engines that report the synced version before and after it.
+
 :meth:`WeightSync.resync` sends the trainer's weights to some engines alone (ones their
 supervisor restarted on the start-up weights), aborting what they were generating.
 """
@@ -27,6 +35,7 @@ import torch.multiprocessing
 
 from titan_core.models.hf import HFBridge
 from titan_rl.rollout import SGLangClient
+from titan_rl.rollout.client import RetryPolicy, SGLangUnavailableError
 from titan_rl.sync import parity, shm_reaper
 from titan_rl.sync.buckets import NamedTensors, bucket_nbytes
 from titan_rl.sync.config import SyncConfig
@@ -85,6 +94,7 @@ class WeightSync:
         | None = None,
         device: torch.device | None = None,
         dst: int = 0,
+        supervised: bool = False,
     ) -> None:
         if not engine_urls:
             raise ValueError("WeightSync needs at least one engine URL")
@@ -97,6 +107,7 @@ class WeightSync:
         self.bridge = HFBridge(hf_config)
         self.metrics = metrics
         self.dst = dst
+        self.supervised = supervised
         self.api_key = api_key
         self.engine_urls = list(engine_urls)
         self.trainer_logprobs_fn = trainer_logprobs_fn
@@ -159,7 +170,7 @@ class WeightSync:
         metrics = self._push(chunks, version, None)
         self.num_syncs += 1
         if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
-            metrics.update(self.check(chunks))
+            metrics.update(self.check(chunks, version=version))
         if _rank() == self.dst and self.metrics is not None:
             self.metrics.write({"step": step, **metrics})
         return metrics
@@ -188,7 +199,7 @@ class WeightSync:
             for k, v in self._push(chunks, version, engines, restarted=True).items()
         }
         if self.cfg.check_every:
-            stats = self.check(chunks, engines)
+            stats = self.check(chunks, engines, version)
             metrics.update({f"resync/{k.removeprefix('sync/')}": v for k, v in stats.items()})
         if _rank() == self.dst:
             log.warning(
@@ -254,10 +265,13 @@ class WeightSync:
             e.applied = 0
             e.extra.pop("left_paused", None)
         failures: dict[str, str] = {}
+        unreachable: set[str] = set()
 
         def fail(found: Failures, stage: str) -> None:
             for url, exc in found.items():
                 failures.setdefault(url, f"{stage}: {_describe(exc)}")
+                if isinstance(exc, SGLangUnavailableError):
+                    unreachable.add(url)
 
         t_start = time.perf_counter()
         await self._remember_restore_points(engines)
@@ -272,14 +286,17 @@ class WeightSync:
         transfer_s = time.perf_counter() - t0
         live = [e for e in engines if e.url not in failures]
         fail(await _each_call(live, lambda e: e.client.update_weight_version(version)), "version")
+        lost = self._lost(engines, failures, unreachable, version)
         for e in engines:
+            if e.url in lost:
+                continue
             if e.url in failures:
                 failures[e.url] = await self._recover(e, tr, failures[e.url])
             else:
                 self.restore_paths[e.url] = (
                     str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
                 )
-        serving = [e for e in engines if not e.extra.get("left_paused")]
+        serving = [e for e in engines if not e.extra.get("left_paused") and e.url not in lost]
         if self.cfg.resume_kv_cache and not restarted:  # colocated: the KV cache comes back
             fail(
                 await _each_call(
@@ -299,7 +316,25 @@ class WeightSync:
             "sync/bytes": float(nbytes),
             "sync/buckets": float(nbuckets),
             "sync/gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
+            **({"sync/engines_lost": float(len(lost))} if lost else {}),
         }
+
+    def _lost(
+        self, engines: list[Engine], failures: dict[str, str], unreachable: set[str], version: str
+    ) -> set[str]:
+        """Supervised engines that became unreachable during the sync: taken out of
+        ``failures`` (their supervisor restarts them, the driver resyncs them) and forgotten
+        (a restarted engine holds no state of this run's syncs)."""
+        if not self.supervised:
+            return set()
+        lost = {u for u in unreachable if u in failures}
+        for url in sorted(lost):
+            log.warning(
+                "%s was lost during the sync to version %s (%s); it is left to its supervisor "
+                "and gets the weights once it is back", url, version, failures.pop(url),
+            )  # fmt: skip
+        self._forget([e for e in engines if e.url in lost])
+        return lost
 
     @staticmethod
     async def _send_buckets(
@@ -360,9 +395,13 @@ class WeightSync:
         )
 
     # ---- parity ----------------------------------------------------------------------------------
-    def check(self, chunks: list[Any], engines: list[Engine] | None = None) -> dict[str, float]:
+    def check(
+        self, chunks: list[Any], engines: list[Engine] | None = None, version: str | None = None
+    ) -> dict[str, float]:
         """Score the probe on every engine (or ``engines``) and on the trainer; mean/max |diff|
-        over all.
+        over all. With ``version``, only engines that report it before and after their probe
+        are scored (one that died and restarted serves other weights: it is not what the
+        sync wrote, and its resync has its own check); ``sync/parity_skipped`` counts the rest.
 
         Every trainer rank must call this (the trainer side runs megatron's forward-only
         schedule over TP / PP / VPP); the metrics come back on ``dst``, ``{}`` elsewhere.
@@ -374,17 +413,36 @@ class WeightSync:
         if _rank() != self.dst:
             return {}
 
-        async def score() -> list[list[torch.Tensor]]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        parity.engine_logprobs(e.client, self.probe)
-                        for e in engines or self._engines()
-                    )
+        async def score(e: Engine) -> list[torch.Tensor] | None:
+            if version is None:
+                return await parity.engine_logprobs(e.client, self.probe)
+            before = await e.client.weight_version()
+            if before != version:
+                log.warning(
+                    "parity: %s reports version %s, not %s; not scored", e.url, before, version
                 )
-            )
+                return None
+            try:
+                found = await parity.engine_logprobs(e.client, self.probe)
+            except SGLangUnavailableError as ex:
+                log.warning("parity: %s did not answer the probe (%s); not scored", e.url, ex)
+                return None
+            after = await e.client.weight_version()
+            if after != version:
+                log.warning(
+                    "parity: %s went to version %s during the probe; not scored", e.url, after
+                )
+                return None
+            return found
 
-        theirs = self._run(score())
+        async def score_all() -> list[list[torch.Tensor] | None]:
+            return list(await asyncio.gather(*(score(e) for e in engines or self._engines())))
+
+        scored = self._run(score_all())
+        theirs = [t for t in scored if t is not None]
+        skipped = {"sync/parity_skipped": float(len(scored) - len(theirs))} if version else {}
+        if not theirs:
+            return skipped
         stats = [parity.compare(t, ours) for t in theirs]
         mean = sum(s[0] for s in stats) / len(stats)
         worst = max(s[1] for s in stats)
@@ -397,7 +455,7 @@ class WeightSync:
             if self.cfg.strict:
                 raise ParityError(msg)
             log.warning(msg)
-        return {"sync/logprob_abs_diff_mean": mean, "sync/logprob_abs_diff_max": worst}
+        return {"sync/logprob_abs_diff_mean": mean, "sync/logprob_abs_diff_max": worst, **skipped}
 
     def close(self) -> None:
         if self._transport is not None:
@@ -432,10 +490,16 @@ def _share_parameters(chunks: list[Any]) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in params}
 
 
+#: a sync's calls go to one server process or fail (see the module docstring)
+NO_RETRY = RetryPolicy(timeout_s=0.0, max_retries=0)
+
+
 class _Clients:
     def __init__(self, urls: list[str], api_key: str | None, timeout_s: float) -> None:
         self.engines = [
-            Engine(u, SGLangClient(u, api_key=api_key, control_timeout_s=timeout_s), i)
+            Engine(
+                u, SGLangClient(u, api_key=api_key, control_timeout_s=timeout_s, retry=NO_RETRY), i
+            )
             for i, u in enumerate(urls)
         ]
 

@@ -99,6 +99,7 @@ class TrainerWorker:
             self.trainer.hf_config,
             api_key=self.cfg.engines.api_key,
             device=self.trainer.accel.device(),
+            supervised=True,  # a dead engine is restarted and resynced (actors/recovery.py)
         )
 
     def sync_weights(self, step: int) -> dict[str, float]:
