@@ -421,3 +421,24 @@ def test_a_missing_tokenizer_is_named(tmp_path, capsys):
                          f"data.tokenizer_model={missing}", f"run.dir={tmp_path / 'r'}"],
                         capsys)  # fmt: skip
     assert rc == 2 and f"data.tokenizer_model: no tokenizer at {missing}" in err
+
+
+def test_negative_token_ids_are_refused(tmp_path, capsys):
+    """-1 written as padding by another tool (int32 ids): an embedding lookup would index
+    from the end of the table, silently."""
+    docs = [[5, 6, 7, -1, -1] for _ in range(200)]
+    prefix = _foreign_dataset(tmp_path / "padded", docs, dtype=np.int32)
+    rc, err = _pretrain([*RUN, f"data.data_path=[{prefix}]", f"run.dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2
+    assert f"data.data_path {prefix}" in err and "negative token id -1" in err
+    cached = DatasetRecord.model_validate_json(record_path(prefix).read_text())
+    assert (cached.min_token_id, cached.max_token_id) == (-1, 7)
+
+
+def test_a_record_without_the_smallest_id_is_scanned_again(tmp_path):
+    """Records written before ``min_token_id`` was kept are not trusted for it."""
+    prefix = _foreign_dataset(tmp_path / "old", [[3, -2, 4]] * 100, dtype=np.int32)
+    old = DatasetRecord(max_token_id=4, num_sequences=100, num_tokens=300)
+    record_path(prefix).write_text(old.model_dump_json(exclude={"min_token_id"}))
+    with pytest.raises(ConfigError, match="negative token id -2"):
+        check_data(_cfg([*RUN, f"data.data_path=[{prefix}]", f"run.dir={tmp_path}"]))

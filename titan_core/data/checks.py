@@ -20,7 +20,7 @@ import numpy as np
 
 from titan_core.config import ConfigError
 from titan_core.config.pretrain import PretrainConfig
-from titan_core.data.indexed import IndexedDataError, IndexSummary, read_index, scan_max_token_id
+from titan_core.data.indexed import IndexedDataError, IndexSummary, read_index, scan_token_id_range
 from titan_core.data.record import (
     DatasetRecord,
     read_record,
@@ -109,8 +109,10 @@ def dataset_record(summary: IndexSummary, scan: bool) -> DatasetRecord | None:
     record = read_record(summary.prefix, summary.num_sequences, summary.num_tokens)
     if record is not None or not scan:
         return record
+    lo, hi = scan_token_id_range(summary)
     record = DatasetRecord(
-        max_token_id=scan_max_token_id(summary),
+        max_token_id=hi,
+        min_token_id=lo,
         num_sequences=summary.num_sequences,
         num_tokens=summary.num_tokens,
     )
@@ -142,8 +144,14 @@ def check_tokens(
             f"data.data_path {prefix} was tokenized with {theirs.name} (vocabulary "
             f"{theirs.vocab_size}), but the model's tokenizer is {ours}: {redo}"
         )
+    made_by = f"made with {theirs.name}" if theirs else "of unknown origin"
+    if record.min_token_id is not None and record.min_token_id < 0:
+        raise ConfigError(
+            f"data.data_path {prefix}: {prefix}.bin ({made_by}) holds the negative token id "
+            f"{record.min_token_id} (padding or a marker written as a token?); token ids are "
+            f"0 to {vocab_limit - 1}: {redo}"
+        )
     if record.max_token_id >= vocab_limit:
-        made_by = f"made with {theirs.name}" if theirs else "of unknown origin"
         model = (
             "" if vocab_limit == tokenizer.vocab_size else f" and model.vocab_size={vocab_limit}"
         )

@@ -99,14 +99,19 @@ def read_index(prefix: str | Path) -> IndexSummary:
     return IndexSummary(str(prefix), dtype, lengths)
 
 
-def scan_max_token_id(summary: IndexSummary, chunk_tokens: int = 1 << 26) -> int:
-    """The largest token id in the ``.bin`` (-1 when empty), read in chunks."""
+def scan_token_id_range(summary: IndexSummary, chunk_tokens: int = 1 << 26) -> tuple[int, int]:
+    """The smallest and largest token ids in the ``.bin`` ((0, -1) when empty), read in
+    chunks."""
     if summary.num_tokens == 0:
-        return -1
+        return 0, -1
     data = np.memmap(summary.bin_path, dtype=summary.dtype, mode="r", shape=(summary.num_tokens,))
-    return max(
-        int(data[i : i + chunk_tokens].max()) for i in range(0, summary.num_tokens, chunk_tokens)
-    )
+    lo, hi = None, None
+    for i in range(0, summary.num_tokens, chunk_tokens):
+        chunk = data[i : i + chunk_tokens]
+        c_lo, c_hi = int(chunk.min()), int(chunk.max())
+        lo = c_lo if lo is None else min(lo, c_lo)
+        hi = c_hi if hi is None else max(hi, c_hi)
+    return lo, hi
 
 
 def write_indexed_dataset(
@@ -132,7 +137,7 @@ def write_indexed_dataset(
     )
     try:
         count = tokens = 0
-        max_id = -1
+        max_id, min_id = -1, 0
         for doc in documents:
             if append_eod:
                 doc = [*doc, tokenizer.eod]
@@ -144,12 +149,14 @@ def write_indexed_dataset(
             count += 1
             tokens += ids.size
             max_id = max(max_id, int(ids.max()))
+            min_id = min(min_id, int(ids.min()))
         builder.finalize(str(tmp_files[1]))
         if count == 0:
             raise EmptyDatasetError(f"no documents to write to {prefix}.bin/.idx")
         record = DatasetRecord(
             tokenizer=tokenizer_record(tokenizer),
             max_token_id=max_id,
+            min_token_id=min_id,
             num_sequences=count,
             num_tokens=tokens,
         )

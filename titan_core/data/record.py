@@ -1,4 +1,4 @@
-"""``<prefix>.titan.json``: what a dataset was tokenized with and its largest token id.
+"""``<prefix>.titan.json``: what a dataset was tokenized with and its token id range.
 
 Written by preprocessing next to ``<prefix>.bin/.idx`` (and cached there after a one-time
 scan for datasets made elsewhere), so start-up can check a dataset against the model's
@@ -29,6 +29,8 @@ class DatasetRecord(BaseModel):
     #: None for a dataset made by another tool (only its token ids were scanned)
     tokenizer: TokenizerRecord | None = None
     max_token_id: int
+    #: None in records written before it was kept: the ``.bin`` is scanned again
+    min_token_id: int | None = None
     num_sequences: int
     num_tokens: int
 
@@ -63,5 +65,7 @@ def read_record(prefix: str | Path, num_sequences: int, num_tokens: int) -> Data
     except (OSError, ValidationError):
         return None
     if (record.num_sequences, record.num_tokens) != (num_sequences, num_tokens):
+        return None
+    if record.min_token_id is None:  # an older record: the range is scanned and kept
         return None
     return record
