@@ -44,14 +44,12 @@ def bare_loop(steps: int, out: str) -> None:
     from megatron.core.transformer import TransformerConfig
 
     from titan_core.accelerator import get_accelerator
-    from titan_core.accelerator.megatron_compat import install_megatron_compat
     from titan_core.config import load_config
     from titan_core.config.pretrain import PretrainConfig
 
     cfg = load_config(PretrainConfig, CONFIG)
     m, t = cfg.model, cfg.train
     accel = get_accelerator()
-    install_megatron_compat(accel)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group(
@@ -161,7 +159,12 @@ def main() -> None:
     ap.add_argument("--bare-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_out:
-        bare_loop(args.steps, args.bare_out)
+        from titan_core.accelerator import get_accelerator, megatron_scope
+        from titan_core.accelerator.megatron_compat import install_megatron_compat
+
+        install_megatron_compat(get_accelerator())
+        with megatron_scope():  # all the bare loop does is call megatron-core
+            bare_loop(args.steps, args.bare_out)
         return
     with tempfile.TemporaryDirectory() as tmp:
         bare_out = Path(tmp) / "bare.json"

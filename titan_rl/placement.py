@@ -25,9 +25,6 @@ from titan_rl.config import GRPOConfig, RayConfig
 #: Colocated shares of one device (slime's): a trainer rank and an engine fit one bundle.
 TRAINER_SHARE_COLOCATED = 0.4
 ENGINE_SHARE = 0.2
-#: Ray leaves the visible devices alone: every actor sees its node's devices and picks its own
-#: by the bundle's device id (the trainer's LOCAL_RANK, SGLang's base_gpu_id), as slime does.
-NOSET_VISIBLE_DEVICES = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 
 
 @dataclass(frozen=True)
@@ -387,6 +384,8 @@ class Placement:
     def _options(self, slot: Slot, share: float) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from titan_core.accelerator import accelerator_named
+
         opts: dict[str, Any] = {
             "num_cpus": share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -394,8 +393,10 @@ class Placement:
             ),
         }
         opts.update(_device_request(self.plan.resource, share))
-        if self.plan.resource:
-            opts["runtime_env"] = {"env_vars": dict(NOSET_VISIBLE_DEVICES)}
+        # Ray leaves the visible devices alone: each actor picks its device by the slot's id
+        env = accelerator_named(self.plan.accelerator).ray_actor_env()
+        if env:
+            opts["runtime_env"] = {"env_vars": env}
         return opts
 
     def trainer_options(self, rank: int) -> dict[str, Any]:

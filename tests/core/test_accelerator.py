@@ -161,3 +161,83 @@ def test_slime_selecting_titan_leaves_the_choice_to_titan(monkeypatch, value):
     monkeypatch.setenv("SLIME_ACCELERATOR", "not-a-backend")  # any other value is a request
     with pytest.raises(AcceleratorError, match="not-a-backend"):
         select_accelerator_name()
+
+
+# ---- device choices the rest of Titan asks the accelerator for ---------------------------
+
+
+def test_profiler_activities_of_each_kind():
+    from titan_core.accelerator.cuda import CudaAccelerator
+
+    activity = torch.profiler.ProfilerActivity
+    assert CpuAccelerator().profiler_activities() == [activity.CPU]
+    assert CudaAccelerator().profiler_activities() == [activity.CPU, activity.CUDA]
+
+
+def test_musa_profiles_its_kernels_as_torch_musa_names_them(monkeypatch, fake_musa):
+    """torch_musa's own torch build has ``ProfilerActivity.MUSA``; a torch where torch_musa is
+    the PrivateUse1 backend traces MUSA kernels as ``PrivateUse1``; neither: CPU only."""
+    real = torch.profiler.ProfilerActivity
+    accel = MusaAccelerator()
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone")
+    assert accel.profiler_activities() == [real.CPU]  # a plain torch: no MUSA activity
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "musa")
+    assert accel.profiler_activities() == [real.CPU, real.PrivateUse1]
+    with_musa = types.SimpleNamespace(CPU=real.CPU, PrivateUse1=real.PrivateUse1, MUSA="MUSA")
+    monkeypatch.setattr(torch.profiler, "ProfilerActivity", with_musa)
+    assert accel.profiler_activities() == [real.CPU, "MUSA"]
+
+
+def test_ray_actors_keep_their_visible_devices():
+    """Ray's GPU resource sets CUDA_VISIBLE_DEVICES (on MUSA nodes too): actors on device
+    bundles ask Ray not to, CPU bundles need nothing."""
+    from titan_core.accelerator.cuda import CudaAccelerator
+
+    noset = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    assert CudaAccelerator().ray_actor_env() == noset
+    assert MusaAccelerator().ray_actor_env() == noset
+    assert CpuAccelerator().ray_actor_env() == {}
+
+
+@pytest.mark.parametrize(
+    ("spec", "parsed"),
+    [
+        ("gloo", {"": "gloo"}),
+        ("cpu:gloo,musa:mccl", {"cpu": "gloo", "musa": "mccl"}),
+        (" CPU:gloo , cuda:NCCL ", {"cpu": "gloo", "cuda": "nccl"}),
+    ],
+)
+def test_parse_backend_spec(spec, parsed):
+    from titan_core.accelerator.base import parse_backend_spec
+
+    assert parse_backend_spec(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["", "cpu:", ":gloo", "cpu:gloo,,musa:mccl"])
+def test_parse_backend_spec_refuses_malformed(spec):
+    from titan_core.accelerator.base import parse_backend_spec
+
+    with pytest.raises(ValueError, match="device:backend pairs"):
+        parse_backend_spec(spec)
+
+
+def test_weight_update_backend_for_the_tensors_device(fake_musa):
+    from titan_core.accelerator.cuda import CudaAccelerator
+
+    musa = MusaAccelerator()
+    assert musa.weight_update_backend_for("musa") == "mccl"
+    assert musa.weight_update_backend_for("cpu") == "gloo"
+    assert CudaAccelerator().weight_update_backend_for("cuda") == "nccl"
+    assert CpuAccelerator().weight_update_backend_for("cpu") == "gloo"
+    assert set(musa.weight_update_backends) == {"mccl", "gloo"}
+    assert set(CudaAccelerator.weight_update_backends) == {"nccl", "gloo"}
+    assert CpuAccelerator.weight_update_backends == ("gloo",)
+
+
+def test_accelerator_named_needs_no_device():
+    from titan_core.accelerator import accelerator_named
+    from titan_core.accelerator.cuda import CudaAccelerator
+
+    assert isinstance(accelerator_named("cuda"), CudaAccelerator)  # on any host
+    with pytest.raises(AcceleratorError, match="not a registered accelerator"):
+        accelerator_named("tpu")

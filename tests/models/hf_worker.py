@@ -28,6 +28,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
+    from titan_core.accelerator import megatron_scope
     from titan_core.config.pretrain import PretrainConfig
     from titan_core.models.gpt import (
         build_model_chunks,
@@ -68,7 +69,7 @@ def main() -> None:
             probe = torch.load(Path(d) / "probe.pt")
             ids = probe["ids"]
             pos = torch.arange(ids.shape[1]).expand_as(ids)
-            with torch.no_grad():
+            with torch.no_grad(), megatron_scope():  # a call into megatron-core
                 logits = chunks[0].eval()(ids, pos, attention_mask=None)
             if a.tp > 1:
                 parts = [torch.empty_like(logits) for _ in range(a.tp)]

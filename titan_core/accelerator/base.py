@@ -24,6 +24,12 @@ class Accelerator(ABC):
     #: Ray's resource name for one device of this kind (placement-group bundles are one
     #: device each); None: no device resource, the bundles hold CPU only.
     ray_resource: str | None = None
+    #: the visible-devices variable Ray itself sets for actors holding ``ray_resource``
+    #: (Ray's GPU resource sets CUDA_VISIBLE_DEVICES, on MUSA nodes too); None: none.
+    ray_visible_devices_env: str | None = None
+    #: process-group backends a weight-update group may use (``sync.backend``): the
+    #: device's own, and gloo (CPU tensors travel over gloo everywhere).
+    weight_update_backends: tuple[str, ...] = ("gloo",)
 
     # ---- identity and placement -------------------------------------------------------
     @abstractmethod
@@ -132,8 +138,32 @@ class Accelerator(ABC):
         """The torch.distributed backend for training process groups."""
 
     def weight_update_backend(self, default: str | None = None) -> str:
-        """The backend for trainer -> rollout engine weight broadcast groups."""
+        """The backend for trainer -> rollout engine weight broadcast groups: one name, or
+        torch's per-device form (``"cpu:gloo,musa:mccl"``)."""
         return self.communication_backend(default)
+
+    def weight_update_backend_for(self, device_type: str) -> str:
+        """The one backend a weight-update group broadcasting ``device_type`` tensors uses
+        (SGLang's ``init_weights_update_group`` takes a single name)."""
+        by_device = parse_backend_spec(self.weight_update_backend())
+        for key in (device_type, self.device_type, ""):
+            if key in by_device:
+                return by_device[key]
+        return next(reversed(by_device.values()))
+
+    # ---- profiling and placement --------------------------------------------------------
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        """What ``torch.profiler.profile`` records on this kind: the CPU, and the device's
+        kernels where torch can trace them."""
+        return [torch.profiler.ProfilerActivity.CPU]
+
+    def ray_actor_env(self) -> dict[str, str]:
+        """Environment of Ray actors on device bundles: Ray leaves the visible devices alone,
+        so every actor sees its node's devices and picks its own by the bundle's device id
+        (the trainer's LOCAL_RANK, SGLang's base_gpu_id), as slime does."""
+        if self.ray_visible_devices_env is None:
+            return {}
+        return {f"RAY_EXPERIMENTAL_NOSET_{self.ray_visible_devices_env}": "1"}
 
     def post_import_torch(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Hook run once at start-up, after torch is imported (MUSA loads torchada here)."""
@@ -145,3 +175,19 @@ class Accelerator(ABC):
 
     def __repr__(self) -> str:
         return f"<Accelerator {self.name} device_type={self.device_type}>"
+
+
+def parse_backend_spec(spec: str) -> dict[str, str]:
+    """torch.distributed's backend string as device type -> backend, in order: ``"gloo"`` ->
+    ``{"": "gloo"}`` (every device), ``"cpu:gloo,musa:mccl"`` -> ``{"cpu": "gloo", "musa":
+    "mccl"}``."""
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        device, sep, backend = part.strip().rpartition(":")
+        if not backend or (sep and not device):
+            raise ValueError(
+                f"backend {spec!r}: expected a backend name (gloo, nccl, ...) or "
+                "device:backend pairs separated by commas (cpu:gloo,cuda:nccl)"
+            )
+        out[device.strip().lower()] = backend.strip().lower()
+    return out

@@ -14,6 +14,8 @@ class CudaAccelerator(Accelerator):
     device_type = "cuda"
     visible_devices_env = "CUDA_VISIBLE_DEVICES"
     ray_resource = "GPU"
+    ray_visible_devices_env = "CUDA_VISIBLE_DEVICES"
+    weight_update_backends = ("nccl", "gloo")
     _default_comm = "nccl"
 
     @property
@@ -104,6 +106,9 @@ class CudaAccelerator(Accelerator):
 
     def communication_backend(self, default: str | None = None) -> str:
         return default or self._default_comm
+
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
 def _importable(name: str) -> bool:

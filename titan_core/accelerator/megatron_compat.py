@@ -1,9 +1,19 @@
-"""Where megatron-core's CUDA assumptions are answered on MUSA and CPU. Applied once.
+"""Where megatron-core's CUDA assumptions are answered on MUSA and CPU.
 
 megatron-core has no accelerator abstraction: it calls ``torch.cuda`` hundreds of times,
 creates tensors with ``device="cuda"`` and moves modules with ``.cuda()``. Titan answers
-those calls here and nowhere else, in one explicit step, :func:`install_megatron_compat`,
-called by ``titan_core.parallel.initialize`` at start-up (never at import time):
+those calls here and nowhere else, in two parts:
+
+* :func:`install_megatron_compat`, one explicit step at start-up (``titan_core.parallel.
+  initialize``, never at import time), patches functions process-wide. On CPU each patch
+  only answers a call that would otherwise fail on a host without a device (there is no
+  ``torch.cuda.current_device()`` to give), so code outside megatron-core is unaffected.
+* :func:`megatron_scope`, a context (or decorator) around each call into megatron-core
+  (model build, optimizer build and step, the schedules, checkpoint save and load). On CPU
+  it adds what would change or slow down other code: the device-rewriting torch-function
+  mode (it sees every torch call: pickling a small tensor under it is over 10x slower) and
+  the ``torch.cuda.*`` type strings. Outside it (weight export, sync, the engine) a CPU
+  tensor is a CPU tensor. On cuda and musa it is a no-op.
 
 * **cuda**: nothing to do (megatron-core's native target). Where Transformer Engine is
   absent, megatron-core 0.16.1's router references ``te_general_gemm`` without defining
@@ -18,8 +28,8 @@ called by ``titan_core.parallel.initialize`` at start-up (never at import time):
      ``tensor_parallel.random._{get,set}_cuda_rng_state`` -> the CPU generator, so the
      model-parallel RNG tracker forks and restores the generator CPU ops really use.
   3. Tensor factories with ``device="cuda"`` (or an int index): a ``TorchFunctionMode``
-     rewrites the device to CPU and drops ``pin_memory``; ``Tensor.cuda``/``Module.cuda``
-     return CPU objects.
+     rewrites the device to CPU and drops ``pin_memory`` (in :func:`megatron_scope`);
+     ``Tensor.cuda``/``Module.cuda`` return CPU objects.
   4. ``torch.cuda.Stream/Event/current_stream/stream/default_stream`` -> inert CPU
      stand-ins; ``Tensor.record_stream`` is a no-op on CPU tensors.
   5. Offloading: ``pin_memory`` is a no-op without a driver, and megatron's fine-grained
@@ -30,8 +40,9 @@ called by ``titan_core.parallel.initialize`` at start-up (never at import time):
   7. ``torch.cuda.nvtx.range_push/range_pop/range`` -> no-ops.
   8. ``moe_utils.te_general_gemm`` -> ``None`` without Transformer Engine.
   9. Type strings: the optimizer and gradient clipping check ``t.type() ==
-     "torch.cuda.FloatTensor"``; argument-less ``Tensor.type()`` of a CPU tensor answers
-     with the ``torch.cuda.*`` name (with an argument it converts, as always).
+     "torch.cuda.FloatTensor"``; in :func:`megatron_scope`, argument-less ``Tensor.type()``
+     of a CPU tensor answers with the ``torch.cuda.*`` name (with an argument it converts,
+     as always).
 
 Everything patched is recorded, so :func:`uninstall_megatron_compat` restores it (tests).
 """
@@ -41,8 +52,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import threading
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -52,9 +64,14 @@ from titan_core.accelerator.base import Accelerator
 from titan_core.accelerator.cpu import InertEvent, InertStream
 
 _PATCHES: list[tuple[Any, str, Any]] = []
-_MODE: TorchFunctionMode | None = None
 _INSTALLED_FOR: str | None = None
+#: whether :func:`megatron_scope` enters the CPU mode (compat installed for a CPU accelerator)
+_SCOPE_NEEDS_MODE = False
+#: the mode stack is per thread, and so is "this thread is inside a scope"
+_SCOPE = threading.local()
 _MISSING = object()
+_TENSOR_TYPE = torch.Tensor.type
+_TENSOR_TO = torch.Tensor.to
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
@@ -71,7 +88,8 @@ def _is_accel_device(device: Any) -> bool:
 
 
 class _CpuDeviceMode(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` (and int device indices) to CPU in every torch call."""
+    """Inside :func:`megatron_scope` on CPU: rewrites ``device="cuda"`` (and int device
+    indices) to CPU in every torch call, and answers ``Tensor.type()`` with the CUDA name."""
 
     def __torch_function__(self, func: Callable, types: Any, args: Any = (), kwargs: Any = None):
         if kwargs:
@@ -82,13 +100,35 @@ class _CpuDeviceMode(TorchFunctionMode):
             if kwargs.get("pin_memory"):
                 kwargs = dict(kwargs)
                 kwargs["pin_memory"] = False
-        if (
-            args
-            and func is torch.Tensor.to
-            and _is_accel_device(args[1] if len(args) > 1 else None)
-        ):
+        if args and func is _TENSOR_TO and _is_accel_device(args[1] if len(args) > 1 else None):
             args = (args[0], "cpu", *args[2:])
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
+            return _cuda_type_name(args[0], result)
+        return result
+
+
+def _cuda_type_name(tensor: torch.Tensor, name: str) -> str:
+    """``torch.FloatTensor`` of a CPU tensor -> ``torch.cuda.FloatTensor`` (item 9)."""
+    if tensor.device.type == "cpu" and name.startswith("torch.") and ".cuda." not in name:
+        return "torch.cuda." + name[len("torch.") :]
+    return name
+
+
+@contextlib.contextmanager
+def megatron_scope() -> Iterator[None]:
+    """Around calls into megatron-core: on CPU, its ``device="cuda"`` tensors land on the CPU
+    and CPU tensors report ``torch.cuda.*`` types; elsewhere (cuda, musa, or before
+    :func:`install_megatron_compat`) a no-op. Re-entrant; applies to the calling thread."""
+    if not _SCOPE_NEEDS_MODE or getattr(_SCOPE, "active", False):
+        yield
+        return
+    _SCOPE.active = True
+    try:
+        with _CpuDeviceMode():
+            yield
+    finally:
+        _SCOPE.active = False
 
 
 def _cpu_rng_get(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -109,7 +149,6 @@ def _noop_factory(name: str) -> Callable[..., None]:
 
 
 def _install_cpu(accel: Accelerator) -> None:
-    global _MODE
     cuda = torch.cuda
     # 1. device queries, sync, memory
     _patch(cuda, "current_device", accel.current_device)
@@ -136,8 +175,7 @@ def _install_cpu(accel: Accelerator) -> None:
     # 3. factories and .cuda()
     _patch(torch.Tensor, "cuda", lambda self, *a, **k: self)
     _patch(torch.nn.Module, "cuda", lambda self, *a, **k: self)
-    _MODE = _CpuDeviceMode()
-    _MODE.__enter__()
+    # factories: _CpuDeviceMode, entered by megatron_scope
     # 4. streams and events
     # classes, not bound methods: other libraries annotate with ``torch.cuda.Stream | None``
     _patch(cuda, "Stream", InertStream)
@@ -152,22 +190,7 @@ def _install_cpu(accel: Accelerator) -> None:
             original_record_stream(self, stream)
 
     _patch(torch.Tensor, "record_stream", record_stream)
-    # 9. type strings
-    original_type = torch.Tensor.type
-
-    def tensor_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        result = original_type(self, *args, **kwargs)
-        if (
-            not args
-            and not kwargs
-            and self.device.type == "cpu"
-            and result.startswith("torch.")
-            and not result.startswith("torch.cuda.")  # torch-function dispatch re-enters
-        ):
-            return "torch.cuda." + result[len("torch.") :]
-        return result
-
-    _patch(torch.Tensor, "type", tensor_type)
+    # 9. type strings: _CpuDeviceMode, entered by megatron_scope
     # 5. pinned memory
     _patch(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     te_ext = importlib.import_module("megatron.core.extensions.transformer_engine")
@@ -205,7 +228,7 @@ def _install_te_gemm_fallback() -> None:
 
 def install_megatron_compat(accel: Accelerator) -> None:
     """Answer megatron-core's CUDA calls with ``accel``. Idempotent; once per process."""
-    global _INSTALLED_FOR
+    global _INSTALLED_FOR, _SCOPE_NEEDS_MODE
     if _INSTALLED_FOR is not None:
         if accel.name != _INSTALLED_FOR:
             raise RuntimeError(
@@ -216,15 +239,14 @@ def install_megatron_compat(accel: Accelerator) -> None:
     _install_te_gemm_fallback()
     if accel.device_type == "cpu":
         _install_cpu(accel)
+        _SCOPE_NEEDS_MODE = True
     _INSTALLED_FOR = accel.name
 
 
 def uninstall_megatron_compat() -> None:
     """Undo :func:`install_megatron_compat` (for tests that switch backends)."""
-    global _MODE, _INSTALLED_FOR
-    if _MODE is not None:
-        _MODE.__exit__(None, None, None)
-        _MODE = None
+    global _INSTALLED_FOR, _SCOPE_NEEDS_MODE
+    _SCOPE_NEEDS_MODE = False
     while _PATCHES:
         owner, name, old = _PATCHES.pop()
         if old is _MISSING:

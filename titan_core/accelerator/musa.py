@@ -22,8 +22,10 @@ class MusaAccelerator(CudaAccelerator):
     device_type = "musa"
     visible_devices_env = "MUSA_VISIBLE_DEVICES"
     #: Ray does not detect MUSA devices: a local Ray is started with ``num_gpus`` set to
-    #: the device count; cluster nodes need ``ray start --num-gpus N``.
+    #: the device count; cluster nodes need ``ray start --num-gpus N``. Ray's GPU resource
+    #: sets CUDA_VISIBLE_DEVICES (the inherited ``ray_visible_devices_env``), not MUSA's.
     ray_resource = "GPU"
+    weight_update_backends = ("mccl", "gloo")
     _default_comm = "mccl"
 
     @property
@@ -56,6 +58,18 @@ class MusaAccelerator(CudaAccelerator):
         # CPU tensors travel over gloo, device tensors over MCCL (slime's convention).
         return default or "cpu:gloo,musa:mccl"
 
+    def profiler_activities(self) -> list[torch.profiler.ProfilerActivity]:
+        """CPU, and MUSA kernels: torch_musa's own torch build names the activity
+        ``ProfilerActivity.MUSA``; where torch_musa is torch's PrivateUse1 backend, kernels
+        are traced as ``PrivateUse1`` (torchada maps ``CUDA`` to it for the same reason).
+        Neither: CPU only, as on a torch that cannot trace MUSA kernels."""
+        self.accelerator_module  # noqa: B018 - torch_musa registers its activity on import
+        activity = torch.profiler.ProfilerActivity
+        device = getattr(activity, "MUSA", None)
+        if device is None and _privateuse1_backend() == "musa":
+            device = getattr(activity, "PrivateUse1", None)
+        return [activity.CPU] if device is None else [activity.CPU, device]
+
     def post_import_torch(self) -> None:
         """Load torchada so torch_musa answers megatron-core's ``torch.cuda`` calls.
 
@@ -76,3 +90,10 @@ class MusaAccelerator(CudaAccelerator):
             hook = getattr(patch, "patch_after_import_torch", None)
             if callable(hook):
                 hook()
+
+
+def _privateuse1_backend() -> str | None:
+    """The name torch's PrivateUse1 device is registered under ("musa" once torch_musa
+    registered itself), or None where this torch cannot say."""
+    get_name = getattr(torch._C, "_get_privateuse1_backend_name", None)
+    return get_name() if callable(get_name) else None

@@ -112,6 +112,16 @@ def get_accelerator() -> Accelerator:
     return _CURRENT
 
 
+def accelerator_named(name: str) -> Accelerator:
+    """A new instance of the backend registered as ``name`` (no availability check): what
+    a plan made for that kind asks of it, e.g. on a driver that has no such device."""
+    if name not in _REGISTRY:
+        raise AcceleratorError(
+            f"{name!r} is not a registered accelerator; choose one of {sorted(_REGISTRY)}"
+        )
+    return _REGISTRY[name].factory()
+
+
 def _register_builtins() -> None:
     from titan_core.accelerator.cpu import CpuAccelerator
     from titan_core.accelerator.cuda import CudaAccelerator

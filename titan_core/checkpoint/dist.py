@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint.verify import CheckpointError, damage, describe
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -138,6 +139,7 @@ def _full_state(model: list, optimizer: Any, is_loading: bool) -> dict[str, Any]
     return state
 
 
+@megatron_scope()
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -224,6 +226,7 @@ def allocate_optimizer_state(optimizer: Any) -> None:
         inner.zero_grad(set_to_none=True)
 
 
+@megatron_scope()
 def load_checkpoint(
     root: str | Path, iteration: int, model: list, optimizer: Any | None
 ) -> dict[str, Any]:

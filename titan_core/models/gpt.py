@@ -19,7 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer import TransformerConfig
 
-from titan_core.accelerator import Accelerator
+from titan_core.accelerator import Accelerator, megatron_scope
 from titan_core.config.loader import ConfigError
 from titan_core.config.pretrain import PretrainConfig
 
@@ -165,6 +165,7 @@ def _layer_spec(cfg: PretrainConfig, tf: TransformerConfig, te: bool, vp_stage: 
     )
 
 
+@megatron_scope()
 def build_model_chunks(
     cfg: PretrainConfig, tf: TransformerConfig, vocab_size: int, accel: Accelerator
 ) -> list[GPTModel]:

@@ -20,7 +20,7 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from titan_core.accelerator import Accelerator, get_accelerator
+from titan_core.accelerator import Accelerator, get_accelerator, megatron_scope
 from titan_core.checkpoint import (
     latest_iteration,
     load_checkpoint,
@@ -40,6 +40,7 @@ from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_core.training.profiling import StepProfiler
 
 
+@megatron_scope()
 def wrap_model(cfg: PretrainConfig, tf, chunks: list) -> list:  # noqa: ANN001
     """Float16Module for bf16/fp16, then megatron-core's DDP, as megatron's get_model does."""
     if cfg.train.bf16 or cfg.train.fp16:
@@ -306,6 +307,7 @@ class Trainer:
         ]
         return its if len(its) > 1 else its[0]
 
+    @megatron_scope()
     def train_step(self, data_iterator) -> tuple[float, float | None]:  # noqa: ANN001
         t = self.cfg.train
         for chunk in self.model:
@@ -356,16 +358,17 @@ class Trainer:
                         )
                         for _ in self.model
                     ]
-                    records += get_forward_backward_func()(
-                        forward_step_func=make_eval_step(self.accel.device()),
-                        data_iterator=data if len(data) > 1 else data[0],
-                        model=self.model if len(self.model) > 1 else self.model[0],
-                        num_microbatches=self.num_microbatches,
-                        seq_length=self.cfg.model.seq_length,
-                        micro_batch_size=t.micro_batch_size,
-                        decoder_seq_length=self.cfg.model.seq_length,
-                        forward_only=True,
-                    )
+                    with megatron_scope():
+                        records += get_forward_backward_func()(
+                            forward_step_func=make_eval_step(self.accel.device()),
+                            data_iterator=data if len(data) > 1 else data[0],
+                            model=self.model if len(self.model) > 1 else self.model[0],
+                            num_microbatches=self.num_microbatches,
+                            seq_length=self.cfg.model.seq_length,
+                            micro_batch_size=t.micro_batch_size,
+                            decoder_seq_length=self.cfg.model.seq_length,
+                            forward_only=True,
+                        )
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -404,7 +407,9 @@ class Trainer:
         if self.rank == 0:  # a run killed after its last checkpoint repeats the steps since
             drop_records_after(self.run_dir / "metrics.jsonl", self.step)
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", enabled=self.rank == 0)
-        profiler = StepProfiler(cfg.profile, cfg.run.dir, self.rank, self.accel.device_type)
+        profiler = StepProfiler(
+            cfg.profile, cfg.run.dir, self.rank, self.accel.profiler_activities()
+        )
         tokens_per_step = t.global_batch_size * cfg.model.seq_length
         history = []
         if self.step >= t.train_iters:

@@ -6,9 +6,11 @@ import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from titan_core.accelerator import megatron_scope
 from titan_core.config.pretrain import PretrainConfig
 
 
+@megatron_scope()
 def build_optimizer(cfg: PretrainConfig, model: list):  # noqa: ANN201
     t = cfg.train
     config = OptimizerConfig(

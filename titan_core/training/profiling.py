@@ -10,7 +10,7 @@ schedule a ``titan/schedule`` range (see ``annotate.py``), so
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -22,9 +22,16 @@ class StepProfiler:
     """Profiles ``profile.steps`` of a run (pretraining or RL) on one rank."""
 
     def __init__(
-        self, profile: ProfileConfig, run_dir: str | Path, rank: int, device_type: str = "cpu"
+        self,
+        profile: ProfileConfig,
+        run_dir: str | Path,
+        rank: int,
+        activities: Iterable[torch.profiler.ProfilerActivity] = (
+            torch.profiler.ProfilerActivity.CPU,
+        ),
     ) -> None:
-        self.device_type = device_type
+        #: what the profiler records (the accelerator's ``profiler_activities()``)
+        self.activities = list(activities)
         steps = sorted(profile.steps)
         self.first, self.last = (steps[0], steps[-1]) if steps else (0, -1)
         self.dir = Path(profile.dir or Path(run_dir) / "traces")
@@ -41,10 +48,9 @@ class StepProfiler:
             yield
             return
         if self._prof is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device_type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._prof = torch.profiler.profile(activities=activities, with_stack=self.with_stack)
+            self._prof = torch.profiler.profile(
+                activities=self.activities, with_stack=self.with_stack
+            )
             self._prof.__enter__()
         with torch.profiler.record_function(f"ProfilerStep#{step}"):
             yield

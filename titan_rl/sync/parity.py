@@ -51,6 +51,7 @@ def trainer_logprobs(
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
+    from titan_core.accelerator import megatron_scope
     from titan_core.checkpoint.dist import unwrap
 
     if ps.get_context_parallel_world_size() > 1:
@@ -100,15 +101,16 @@ def trainer_logprobs(
         m.eval()
     try:
         iters = [batches() for _ in models]
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iters if len(models) > 1 else iters[0],
-            model=models if len(models) > 1 else models[0],
-            num_microbatches=num_mb,
-            seq_length=length,
-            micro_batch_size=1,
-            forward_only=True,
-        )
+        with megatron_scope():
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iters if len(models) > 1 else iters[0],
+                model=models if len(models) > 1 else models[0],
+                num_microbatches=num_mb,
+                seq_length=length,
+                micro_batch_size=1,
+                forward_only=True,
+            )
     finally:
         for m, t in zip(models, was_training, strict=True):
             m.train(t)

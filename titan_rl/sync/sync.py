@@ -133,13 +133,12 @@ class WeightSync:
         if t == "disk":
             return DiskTransport(self.cfg, self.device)
         if t == "distributed":
-            backend = self.cfg.backend
-            if backend is None:
-                from titan_core.accelerator import get_accelerator
+            from titan_core.accelerator import get_accelerator
 
-                # e.g. "cpu:gloo,musa:mccl": the engine side of a CPU trainer speaks gloo
-                spec = get_accelerator().weight_update_backend()
-                backend = spec.split(",")[-1].split(":")[-1] if ":" in spec else spec
+            # the broadcast carries tensors staged on the trainer's device
+            backend = self.cfg.backend or get_accelerator().weight_update_backend_for(
+                self.device.type
+            )
             return DistributedTransport(self.cfg, self.device, backend)
         return MooncakeTransport(self.cfg, self.device)
 

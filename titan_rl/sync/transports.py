@@ -17,6 +17,7 @@ import httpx
 import torch
 import torch.multiprocessing
 
+from titan_core.accelerator import get_accelerator
 from titan_rl.engine.weights import unflatten
 from titan_rl.rollout import SGLangClient
 from titan_rl.sync import shm_reaper
@@ -223,23 +224,13 @@ class TensorTransport(Transport):
     async def _send_direct(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         self._posted = posted = asyncio.Event()
         named = list(bucket)
-        # Tensor calls of the trainer's thread pass through the CPU accelerator's torch-function
-        # mode (titan_core.accelerator.megatron_compat); a worker thread has none, so on CPU the
-        # per-tensor work (checks, pickling) runs there, about twice as fast.
-        cpu = self.device.type == "cpu"
-        idx = await asyncio.to_thread(
-            lambda: [i for i, (_, t) in enumerate(named) if not self.persistent(t)]
-        )
+        idx = [i for i, (_, t) in enumerate(named) if not self.persistent(t)]
         if idx:
             flat, meta = await self._stage([named[i] for i in idx], self.ALIGN)
             for i, (_, view) in zip(idx, unflatten(flat, meta), strict=True):
                 named[i] = (named[i][0], view)
-
-        def dumps() -> list[str]:
-            # one dump per engine: each unpickling drops the transfer reference it took
-            return [dumps_named(named) for _ in engines]
-
-        payloads = await asyncio.to_thread(dumps) if cpu else dumps()
+        # one dump per engine: each unpickling drops the transfer reference it took
+        payloads = [dumps_named(named) for _ in engines]
         payload_of = {e.url: p for e, p in zip(engines, payloads, strict=True)}
         posted.set()
 
@@ -306,15 +297,6 @@ class DiskTransport(Transport):
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _join_group(
-    addr: str, port: int, rank: int, world: int, name: str, backend: str, timeout_s: float
-) -> Any:
-    """The trainer's side of ``init_weights_update_group`` (SGLang's rendezvous layout)."""
-    if backend not in ("gloo", "nccl", "mccl"):
-        raise ValueError(f"sync.backend {backend!r}: use gloo (CPU), nccl (CUDA) or mccl (MUSA)")
-    return init_weights_update_group(addr, port, rank, world, name, backend, timeout_s)
-
-
 def _free_port(host: str) -> int:
     import socket
 
@@ -328,6 +310,12 @@ class DistributedTransport(Transport):
 
     def __init__(self, cfg: SyncConfig, device: torch.device, backend: str) -> None:
         super().__init__(cfg, device)
+        accel = get_accelerator()
+        if backend not in accel.weight_update_backends:
+            raise ValueError(
+                f"sync.backend {backend!r} is not available on the {accel.name} accelerator; "
+                f"use one of {', '.join(accel.weight_update_backends)}, or leave it unset"
+            )
         self.backend = backend
         self.groups: dict[str, Any] = {}
         self.staging = _Staging(device, shared=False)
@@ -342,7 +330,9 @@ class DistributedTransport(Transport):
             port = self.cfg.master_port + e.index if self.cfg.master_port else 0
             port = port or _free_port(self.cfg.master_address)
             args = (self.cfg.master_address, port, 0, 2, self._name(e), self.backend)
-            join = asyncio.create_task(asyncio.to_thread(_join_group, *args, self.cfg.timeout_s))
+            join = asyncio.create_task(
+                asyncio.to_thread(init_weights_update_group, *args, self.cfg.timeout_s)
+            )
             try:
                 await e.client.init_weights_update_group(
                     self.cfg.master_address, port, 1, 2, self._name(e), self.backend

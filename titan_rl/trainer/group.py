@@ -53,7 +53,7 @@ class TrainerWorker:
         self.trainer = PolicyTrainer(self.cfg, self.world_size)
         self.sync = None
         self.profiler = StepProfiler(
-            self.cfg.profile, self.cfg.run.dir, self.rank, self.trainer.accel.device_type
+            self.cfg.profile, self.cfg.run.dir, self.rank, self.trainer.accel.profiler_activities()
         )
         self._profiled = contextlib.ExitStack()
         self._phases: dict[str, Any] = {}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint import (
     latest_iteration,
     load_checkpoint,
@@ -180,6 +181,7 @@ class PolicyTrainer:
 
         return [gen() for _ in self.model], num
 
+    @megatron_scope()
     def _run(self, model: list, fields: dict, loss_fn, forward_only: bool) -> list[dict]:  # noqa: ANN001
         its, num = self._microbatches(fields)
         seq = fields["tokens"].shape[1]
@@ -306,16 +308,17 @@ class PolicyTrainer:
             return loss, {k: torch.tensor(float(v)) for k, v in m.items()}
 
         for i in range(cfg.ppo_steps):
-            for chunk in self.model:
-                chunk.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            out = self._run(self.model, fields, loss_fn, forward_only=False)
-            check_loss_and_grads(
-                self.model, [o["loss"] for o in out],
-                f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,
-                check_grads=not self.pcfg.train.fp16,  # the fp16 loss scaler skips inf steps
-            )  # fmt: skip
-            ok, grad_norm, _ = self.optimizer.step()
+            with megatron_scope():
+                for chunk in self.model:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                out = self._run(self.model, fields, loss_fn, forward_only=False)
+                check_loss_and_grads(
+                    self.model, [o["loss"] for o in out],
+                    f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,
+                    check_grads=not self.pcfg.train.fp16,  # the fp16 loss scaler skips inf steps
+                )  # fmt: skip
+                ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=len(batch))
         if out:
