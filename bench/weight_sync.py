@@ -10,8 +10,8 @@ bump excluded). memcpy is a plain ``Tensor.copy_`` of one bucket-sized buffer wi
 default threads (all cores); the engine gets the same thread count, so its load copies with
 what the anchor copies with (a real engine has its whole device to itself). Each transport
 runs ``--repeats`` times; the best run is reported (the first also pays one-off set-up).
-``tensor`` sends flattened buckets (sync.tensor_format=flattened_bucket), ``tensor-direct`` the
-parameters themselves (sync.tensor_format=direct).
+``tensor`` sends flattened buckets (sync.tensor.format=flattened_bucket), ``tensor-direct`` the
+parameters themselves (sync.tensor.format=direct).
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ def main() -> None:
         padded_vocab_size,
     )
     from titan_core.models.hf import HFBridge, model_config_from_hf
+    from titan_core.net import free_port
     from titan_core.parallel.initialize import initialize, shutdown
     from titan_rl.actors.config import EngineServerConfig
-    from titan_rl.actors.server import ServerProcess, free_port
+    from titan_rl.actors.server import ServerProcess
     from titan_rl.sync import SyncConfig, WeightSync
 
     tmp = Path(tempfile.mkdtemp(prefix="titan-bench-sync-"))
@@ -127,13 +128,15 @@ def main() -> None:
                      engine.url, "--port", str(port), "--buffer-bytes", str(bucket)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
-                extra["mooncake_agents"] = [f"http://127.0.0.1:{port}"]
+                extra["mooncake"] = {"agents": [f"http://127.0.0.1:{port}"]}
                 _wait_http(f"http://127.0.0.1:{port}/info", agent)
             if transport == "tensor-direct":
-                extra["tensor_format"] = "direct"
+                extra["tensor"] = {"format": "direct"}
+            if transport == "disk":
+                extra["disk"] = {"dir": str(tmp / "disk")}
             sc = SyncConfig(
                 transport=transport.removesuffix("-direct"), bucket_bytes=bucket, check_every=0,
-                disk_dir=str(tmp / "disk"), **extra,
+                **extra,
             )  # fmt: skip
             ws = WeightSync(sc, [engine.url], tmp / "model")
             best: dict = {}

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, ValidationError, model_validator
 
-from titan_core.config import Section
+from titan_core.config import ConfigError, Section
 from titan_core.config.pretrain import (
-    DataConfig as PretrainDataConfig,
-)
-from titan_core.config.pretrain import (
+    ArithmeticFields,
     ModelConfig,
     ParallelConfig,
     PretrainConfig,
     ProfileConfig,
+    TokenizerFields,
     TrainConfig,
+    check_layout,
 )
 from titan_rl.algo.config import AlgoConfig
 from titan_rl.rewards.config import RewardConfig
@@ -29,26 +29,36 @@ class PolicyConfig(Section):
     #: "titan": a Titan checkpoint folder (holding latest_checkpointed_iteration.txt);
     #: "hf": an HF safetensors directory (Llama / Qwen2 / Qwen3 / Qwen3-MoE).
     format: Literal["titan", "hf"] = "titan"
+    #: the policy's weights: that folder or directory.
     load: str = "runs/math_base/checkpoints"
     #: When a Titan checkpoint is missing: pretrain it first with this titan_core.pretrain
     #: config (+ overrides), on the same training base. None: missing is an error.
     pretrain_config: str | None = None
+    #: ``key.sub=value`` overrides of ``pretrain_config``.
     pretrain_overrides: list[str] = Field(default_factory=list)
 
 
 class RolloutConfig(Section):
+    #: prompts drawn per RL step.
     prompts_per_step: PositiveInt = 32
+    #: responses generated per prompt (a group).
     n_samples_per_prompt: PositiveInt = 8
+    #: the response budget in tokens.
     max_response_len: PositiveInt = 8
+    #: sampling temperature (0: greedy).
     temperature: float = Field(1.0, ge=0)
+    #: nucleus sampling: the smallest set of tokens holding this probability.
     top_p: float = Field(1.0, gt=0, le=1)
+    #: sample from the k likeliest tokens (-1: the whole vocabulary).
     top_k: int = -1
     #: sample this many times more prompts; with ``dynamic_filter`` the groups whose
     #: rewards all agree are dropped, and the first ``prompts_per_step`` groups kept.
     over_sample_factor: float = Field(1.0, ge=1.0)
+    #: drop groups whose rewards all agree (they carry no advantage), see above.
     dynamic_filter: bool = False
     #: rollout of step k+1 runs while step k trains (one-step off-policy).
     async_rollout: bool = Field(False, alias="async")
+    #: generate requests in flight at once.
     max_concurrency: PositiveInt = 256
     #: a response generated with another weight version than the policy's (an engine that
     #: was restarted on the start-up weights and not yet given the current ones): "resend"
@@ -66,16 +76,24 @@ class RolloutConfig(Section):
 
 
 class EnginesConfig(Section):
-    """Rollout engines: built-in on CPU, SGLang on GPUs."""
+    """Rollout engines: built-in on CPU, SGLang on GPUs. Resolved once, in the placement plan
+    (titan_rl/placement.py), into the launch each engine actor runs."""
 
+    #: "auto": the built-in engine on a cpu accelerator, SGLang on cuda / musa.
     backend: Literal["auto", "sglang", "builtin"] = "auto"
+    #: engine servers (several need ``router: true``).
     num_engines: PositiveInt = 1
+    #: devices per engine (SGLang's --tp-size; the built-in engine: 1).
     tp_size: PositiveInt = 1
+    #: SGLang's --mem-fraction-static (None: SGLang's default).
     mem_fraction_static: float | None = Field(None, gt=0, lt=1)
     #: colocated: trainer and engines share devices (engines release memory while training).
     colocate: bool = False
+    #: sglang-router in front of the engines: one URL spreading the requests.
     router: bool = False
+    #: built-in engine: torch threads per engine (None: torch's default).
     num_threads: PositiveInt | None = 1
+    #: the engines (and router) require ``Authorization: Bearer <api_key>``; None: open.
     api_key: str | None = None
     #: how long requests to engines that do not answer (connection refused or reset, 5xx)
     #: are sent again, from the first failure, and how long a restarted engine may take to
@@ -84,40 +102,48 @@ class EnginesConfig(Section):
     retry_timeout_s: float = Field(900.0, gt=0)
 
 
-class RLDataConfig(Section):
+class RLDataConfig(TokenizerFields, ArithmeticFields):
+    """The prompts: the tokenizer and arithmetic keys are pretraining's (titan_core's
+    ``data`` section), the rest RL's own."""
+
     #: arithmetic: generated a+b= problems (exact-match reward); jsonl / parquet: a file
     #: with ``prompt_key`` and ``label_key`` columns.
     type: Literal["arithmetic", "jsonl", "parquet"] = "arithmetic"
+    #: jsonl / parquet: the training prompts.
     path: str | None = None
+    #: jsonl / parquet: held-out prompts (None: ``num_eval`` rows held out of ``path``).
     eval_path: str | None = None
+    #: the prompt's column.
     prompt_key: str = "prompt"
+    #: the label's column (what the reward compares with).
     label_key: str = "label"
+    #: wrap each prompt in the tokenizer's chat template (needs tokenizer_type hf).
     apply_chat_template: bool = False
-    num_digits: PositiveInt = 3
-    #: arithmetic: "plain" (57+8=65) or "aligned" (57+08=560: padded, sum reversed).
-    arithmetic_format: Literal["plain", "aligned"] = "plain"
+    #: held-out prompts per evaluation.
     num_eval: PositiveInt = 500
-    tokenizer_type: Literal["byte", "hf"] = "byte"
-    tokenizer_model: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> RLDataConfig:
         if self.type != "arithmetic" and not self.path:
             raise ValueError(f"data.path is required for data.type={self.type}")
-        if self.tokenizer_type == "hf" and not self.tokenizer_model:
-            raise ValueError("data.tokenizer_model is required for data.tokenizer_type=hf")
         return self
 
 
 class RLRunConfig(Section):
+    #: the run's folder: checkpoints, metrics.jsonl, reward.png, logs (one job at a time).
     dir: str = "runs/grpo"
+    #: RL steps (rollout, train, sync) of the run.
     num_steps: PositiveInt = 200
+    #: evaluate held-out accuracy every N steps (and at the last).
     eval_interval: PositiveInt = 20
+    #: save a checkpoint every N steps (and at the last); 0: only at the last.
     save_interval: int = Field(100, ge=0)
     #: on SIGTERM / SIGINT, save the last completed step before exiting 143 / 130 (as
     #: Megatron-LM's --exit-signal-handler does); false: exit without saving.
     save_on_signal: bool = True
+    #: the prompts' order (and the arithmetic problems').
     seed: int = 1
+    #: print a status line every N steps.
     log_interval: PositiveInt = 1
 
 
@@ -141,9 +167,13 @@ class RayConfig(Section):
 
 
 class GRPOConfig(Section):
+    #: where the policy starts.
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    #: the policy's architecture (pretraining's ``model`` section; must match the base).
     model: ModelConfig = Field(default_factory=ModelConfig)
+    #: the trainer's layout (pretraining's ``parallel`` section).
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    #: the optimizer (pretraining's ``train`` section; the batch is the rollout's).
     train: TrainConfig = Field(
         default_factory=lambda: TrainConfig(
             lr=1e-4, min_lr=1e-4, lr_warmup_iters=0, lr_decay_style="constant", weight_decay=0.0,
@@ -154,13 +184,21 @@ class GRPOConfig(Section):
     ppo_steps: PositiveInt = 1
     #: Megatron trainer processes (TP x PP x CP x DP); each is a Ray actor.
     trainer_processes: PositiveInt = 1
+    #: sampling the responses.
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    #: the rollout engines.
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
+    #: trainer -> engines weight transfer after each step.
     sync: SyncConfig = Field(default_factory=SyncConfig)
+    #: advantage estimator and policy loss.
     algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    #: how a response is scored.
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    #: the prompts.
     data: RLDataConfig = Field(default_factory=RLDataConfig)
+    #: the run's folder, length and intervals.
     run: RLRunConfig = Field(default_factory=RLRunConfig)
+    #: the Ray cluster.
     ray: RayConfig = Field(default_factory=RayConfig)
     #: profiler traces of these RL steps, one file per trainer rank (``<run.dir>/traces``):
     #: ProfilerStep#N with titan/rl/{rollout,train,sync} and microbatch ranges inside.
@@ -181,18 +219,51 @@ class GRPOConfig(Section):
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares samples of "
                 "a prompt: set rollout.n_samples_per_prompt >= 2"
             )
+        if self.algo.entropy_coef and self.parallel.tensor_model_parallel_size > 1:
+            raise ValueError(
+                "algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1 (the entropy "
+                "is computed on full-vocabulary logits); set algo.entropy_coef=0 or TP 1"
+            )
+        agents = self.sync.mooncake.agents
+        if self.sync.transport == "mooncake" and len(agents) != self.engines.num_engines:
+            raise ValueError(
+                f"sync.mooncake.agents has {len(agents)} URLs for engines.num_engines="
+                f"{self.engines.num_engines}; give one agent per engine, in the engines' order"
+            )
         return self
 
     def pretrain_view(self, world_size: int) -> PretrainConfig:
-        """The titan_core config the Megatron trainer is built from (same base as pretraining)."""
-        batch = self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
-        train = self.train.model_copy(update={"global_batch_size": batch})
-        return PretrainConfig(
-            model=self.model,
-            parallel=self.parallel,
-            train=train,
-            data=PretrainDataConfig(
-                tokenizer_type=self.data.tokenizer_type, tokenizer_model=self.data.tokenizer_model
-            ),
-            run={"dir": self.run.dir},
-        )
+        """The titan_core config the Megatron trainer of ``world_size`` processes is built
+        from (same base as pretraining; the global batch is the rollout's), its layout checked
+        against ``world_size``: a ConfigError naming the key, before any process group."""
+        r = self.rollout
+        batch = r.prompts_per_step * r.n_samples_per_prompt
+        try:
+            view = PretrainConfig(
+                model=self.model,
+                parallel=self.parallel,
+                train=self.train.model_copy(update={"global_batch_size": batch}),
+                data={"tokenizer_type": self.data.tokenizer_type,
+                      "tokenizer_model": self.data.tokenizer_model},
+                run={"dir": self.run.dir},
+            )  # fmt: skip
+        except ValidationError as e:  # layers / heads / experts against the layout
+            raise ConfigError(
+                "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            ) from None
+        p = self.parallel
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        model_parallel *= p.context_parallel_size
+        mbs = self.train.micro_batch_size
+        if world_size % model_parallel == 0 and batch % (mbs * (world_size // model_parallel)):
+            dp = world_size // model_parallel  # check_layout's, in the rollout's keys
+            raise ConfigError(
+                f"rollout.prompts_per_step x n_samples_per_prompt ({batch}) must be divisible "
+                f"by train.micro_batch_size x data-parallel size ({mbs} x {dp}, from "
+                f"trainer_processes={world_size})"
+            )
+        try:
+            check_layout(view, world_size)
+        except ConfigError as e:
+            raise ConfigError(f"trainer_processes={world_size}: {e}") from None
+        return view

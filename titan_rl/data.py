@@ -6,9 +6,10 @@ count is shown), never a crash deep in a rollout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,6 +33,35 @@ class PromptSet:
     prompts: list[Prompt]
     skipped: int = 0
     source: str = ""
+    #: texts that end a response besides the tokenizer's end of text (the arithmetic task's
+    #: answer ends at its newline; a file dataset's responses end at end of text only)
+    stop: tuple[str, ...] = ()
+
+
+class _Tokenizer(Protocol):
+    eod: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def stop_token_ids(tokenizer: _Tokenizer, stop: Sequence[str], task: str = "the task") -> list[int]:
+    """The tokenizer's end of text, then the token of each ``stop`` text (a rollout's
+    ``stop_token_ids``); a text without a token of its own (split in several, or unknown) is
+    a DatasetError naming ``task``."""
+    ids = [tokenizer.eod]
+    for text in stop:
+        encoded = tokenizer.encode(text)
+        if len(encoded) != 1 or tokenizer.decode(encoded) != text:
+            raise DatasetError(
+                f"{task} ends each response at {text!r}, which the tokenizer has no token of "
+                f"its own for (it encodes it as {encoded}); use a tokenizer with one "
+                "(data.tokenizer_model) or data.tokenizer_type=byte"
+            )
+        if encoded[0] not in ids:
+            ids.append(encoded[0])
+    return ids
 
 
 def _read_rows(path: str, kind: str, key: str) -> list[dict[str, Any]]:
@@ -115,7 +145,8 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
         probs = generate_problems(
             count, cfg.num_digits, seed=seed, split=split, fmt=cfg.arithmetic_format
         )
-        return PromptSet([Prompt(p.prompt, p.answer, {}) for p in probs], 0, "arithmetic")
+        prompts = [Prompt(p.prompt, p.answer, {}) for p in probs]
+        return PromptSet(prompts, 0, "arithmetic", stop=("\n",))
     key = "data.eval_path" if split == "eval" and cfg.eval_path else "data.path"
     path = cfg.eval_path if key == "data.eval_path" else cfg.path
     ps = load_file_prompts(path, cfg, key)

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from titan_core.config import ConfigError
-from titan_core.config.pretrain import check_layout
-from titan_rl.config import GRPOConfig, RayConfig
+from titan_rl.actors.config import (
+    EngineLaunch,
+    PlacedEngine,
+    RouterConfig,
+    engine_problem,
+    resolve_backend,
+)
+from titan_rl.config import EnginesConfig, GRPOConfig, RayConfig
 
 #: Colocated shares of one device (slime's): a trainer rank and an engine fit one bundle.
 TRAINER_SHARE_COLOCATED = 0.4
@@ -65,9 +70,11 @@ class PlacementPlan:
     accelerator: str
     #: the Ray resource of one device ("GPU"); None: bundles of CPU only.
     resource: str | None
+    #: the engines' backend, ``auto`` resolved
     backend: str
     colocate: bool
-    router: bool
+    #: the router in front of the engines (None: none)
+    router: RouterConfig | None
     trainer_processes: int
     #: tensor, pipeline, context, expert, expert-tensor and data parallel sizes.
     tp: int
@@ -81,6 +88,11 @@ class PlacementPlan:
     #: devices (CPU slots) Ray will offer, when known before it starts.
     available: int | None
     address: str | None
+    #: every engine's launch, resolved (each engine's base_gpu_id and the start-up weight
+    #: version are set when they start); None where this machine cannot launch them
+    engine: EngineLaunch | None = None
+    #: why this machine cannot launch the engines (a GPU plan shown on a CPU machine)
+    unlaunchable: str | None = None
 
     @property
     def unit(self) -> str:
@@ -162,8 +174,22 @@ class PlacementPlan:
         return lines
 
 
-def _pretrain_errors(e: ValidationError) -> str:
-    return "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+def _engines_error(e: EnginesConfig, problem: tuple[str, str]) -> str:
+    key, why = problem
+    return f"engines.{key}={getattr(e, key)}: {why}"
+
+
+def engine_launch(cfg: GRPOConfig, backend: str, accelerator: str) -> EngineLaunch:
+    """The GRPO job's engines, resolved from ``engines.*`` and ``run.dir``: the one place the
+    engine section becomes a launch (the engines serve the start-up weights the trainer
+    writes to ``<run.dir>/hf_start`` and log to ``<run.dir>/logs``)."""
+    e, run_dir = cfg.engines, Path(cfg.run.dir)
+    return EngineLaunch(
+        model_path=str(run_dir / "hf_start"), backend=backend, device=accelerator,
+        tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
+        enable_memory_saver=e.colocate, api_key=e.api_key, skip_tokenizer_init=True,
+        num_threads=e.num_threads, log_dir=str(run_dir / "logs"),
+    )  # fmt: skip
 
 
 def plan_placement(
@@ -172,32 +198,16 @@ def plan_placement(
     """Lay out and validate the job; ``devices``: how many ``resource`` devices Ray will have
     (None: unknown). Raises ConfigError naming the key of an impossible layout."""
     n, p, e = cfg.trainer_processes, cfg.parallel, cfg.engines
-    try:  # the trainer's own titan_core config: layers / heads / experts against the layout
-        view = cfg.pretrain_view(n)
-    except ValidationError as err:
-        raise ConfigError(_pretrain_errors(err)) from None
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    model_parallel *= p.context_parallel_size
-    # check_layout checks this too, as train.global_batch_size: GRPO's batch is the rollout's
-    batch = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
-    if n % model_parallel == 0 and batch % (cfg.train.micro_batch_size * (n // model_parallel)):
-        raise ConfigError(
-            f"rollout.prompts_per_step x n_samples_per_prompt ({batch}) must be divisible by "
-            f"train.micro_batch_size x data-parallel size ({cfg.train.micro_batch_size} x "
-            f"{n // model_parallel}, from trainer_processes={n})"
-        )
-    try:
-        dp = check_layout(view, n)
-    except ConfigError as err:
-        raise ConfigError(f"trainer_processes={n}: {err}") from None
+    cfg.pretrain_view(n)  # the trainer's config: layers / heads / experts / batch vs layout
+    dp = n // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+    dp //= p.context_parallel_size
 
-    backend = e.backend
-    if backend == "auto":
-        backend = "builtin" if resource is None else "sglang"
+    backend = resolve_backend(e.backend, accelerator)
     if backend == "sglang":
         resource = resource or "GPU"  # SGLang's layout, even where this machine cannot run it
-    if backend == "builtin" and e.tp_size != 1:
-        raise ConfigError(f"engines.tp_size={e.tp_size}: the built-in engine runs with tp_size 1")
+    if (problem := engine_problem(backend, e.tp_size, None)) is not None:
+        raise ConfigError(_engines_error(e, problem))
+    here = engine_problem(backend, e.tp_size, accelerator)
     engine_devices = e.num_engines * e.tp_size
     if e.colocate and engine_devices > n:
         raise ConfigError(
@@ -206,12 +216,13 @@ def plan_placement(
             "colocated engines share; lower engines.num_engines or raise trainer_processes"
         )
     available = devices if resource else cfg.ray.num_cpus
+    logs = str(Path(cfg.run.dir) / "logs")
     plan = PlacementPlan(
         accelerator=accelerator,
         resource=resource,
         backend=backend,
         colocate=e.colocate,
-        router=e.router,
+        router=RouterConfig(log_dir=logs) if e.router else None,
         trainer_processes=n,
         tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size,
@@ -223,6 +234,8 @@ def plan_placement(
         engine_tp=e.tp_size,
         available=available,
         address=cfg.ray.address,
+        engine=engine_launch(cfg, backend, accelerator) if here is None else None,
+        unlaunchable=None if here is None else _engines_error(e, here),
     )
     if available is not None and plan.num_bundles > available:
         raise ConfigError(f"{_need(plan)}, but only {available} are available ({_source(plan)})")
@@ -250,16 +263,21 @@ def _source(plan: PlacementPlan) -> str:
     return f"this machine's {plan.accelerator} devices"
 
 
-def machine_plan(cfg: GRPOConfig) -> PlacementPlan:
+def machine_plan(cfg: GRPOConfig, launching: bool = True) -> PlacementPlan:
     """:func:`plan_placement` for this machine's accelerator (its device count counts only for
-    a local Ray; an existing cluster's is checked when the job starts)."""
+    a local Ray; an existing cluster's is checked when the job starts). ``launching``: the
+    job runs here, so engines this machine cannot launch are a ConfigError (``--dry-run``
+    shows such a plan)."""
     from titan_core.accelerator import get_accelerator
 
     accel = get_accelerator()
     devices = None
     if accel.ray_resource and cfg.ray.address is None:
         devices = accel.device_count()
-    return plan_placement(cfg, accel.name, accel.ray_resource, devices)
+    plan = plan_placement(cfg, accel.name, accel.ray_resource, devices)
+    if launching and plan.unlaunchable is not None:
+        raise ConfigError(plan.unlaunchable)
+    return plan
 
 
 def placement_plan(cfg: GRPOConfig) -> list[str]:
@@ -267,7 +285,7 @@ def placement_plan(cfg: GRPOConfig) -> list[str]:
     from titan_core.accelerator import get_accelerator
 
     accel = get_accelerator()
-    plan = machine_plan(cfg)
+    plan = machine_plan(cfg, launching=False)
     lines = [
         f"accelerator: {accel.name} (process groups: {accel.communication_backend()}, "
         f"weight sync: {cfg.sync.transport} over {accel.weight_update_backend()})",
@@ -328,6 +346,14 @@ class EnginePlacement:
     base_gpu_id: int | None
     #: bind the server to its node's IP (an existing cluster: the driver may be elsewhere).
     bind_node_ip: bool
+
+    def place(self, launch: EngineLaunch) -> PlacedEngine:
+        """``launch`` on this placement: its base_gpu_id and node IP binding, and the actor's
+        options."""
+        update: dict[str, Any] = {"bind_node_ip": self.bind_node_ip}
+        if self.base_gpu_id is not None:
+            update["base_gpu_id"] = self.base_gpu_id
+        return PlacedEngine(launch.model_copy(update=update), self.actor_options)
 
 
 def _where(resource: str) -> tuple[str, int]:
@@ -419,6 +445,13 @@ class Placement:
                 )
             )
         return out
+
+    def engine_launches(self, weight_version: str) -> list[PlacedEngine]:
+        """Every engine's launch on its placement, serving ``weight_version`` at start-up."""
+        if self.plan.engine is None:
+            raise ConfigError(self.plan.unlaunchable or "the engines cannot launch here")
+        launch = self.plan.engine.model_copy(update={"weight_version": weight_version})
+        return [where.place(launch) for where in self.engines()]
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -1,9 +1,14 @@
 """Checks of a GRPO config that need more than the config itself, run before any work
 (before the base is pretrained and before Ray starts), and warnings about settings that
-cannot learn."""
+cannot learn.
+
+:func:`check_config` is what ``--dry-run`` runs too; :func:`check_machine` what only a run
+on this machine needs (a dry run may show the plan of another machine's job).
+"""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import torch
@@ -12,6 +17,7 @@ from titan_core.checkpoint import CheckpointError, latest_iteration
 from titan_core.checkpoint.dist import iteration_dir
 from titan_core.config import ConfigError
 from titan_rl.config import GRPOConfig
+from titan_rl.rewards.config import RewardConfig
 
 #: the model keys that decide the checkpoint's tensors (the others, e.g. seq_length or
 #: dropout, may differ between pretraining and RL)
@@ -73,6 +79,48 @@ def check_base_dir(cfg: GRPOConfig) -> None:
             f"policy.load {cfg.policy.load} is this run's own checkpoints folder (run.dir "
             f"{cfg.run.dir}), where RL saves its checkpoints and metrics; keep the base in a "
             "folder of its own (e.g. policy.load=runs/base/checkpoints), or choose another run.dir"
+        )
+
+
+def check_reward(cfg: RewardConfig) -> None:
+    """Import ``reward.custom_path`` now, once (validating the config only checks its form),
+    so a missing module or function is a ConfigError before anything starts."""
+    try:
+        cfg.load_custom()
+    except ValueError as e:  # the message names reward.custom_path
+        raise ConfigError(str(e)) from None
+
+
+def check_config(cfg: GRPOConfig) -> None:
+    """Everything of ``cfg`` beyond its own validation: the base checkpoint, the run folder,
+    the reward function, the placement (what ``--dry-run`` prints)."""
+    from titan_rl.placement import machine_plan
+
+    check_base_matches(cfg)
+    check_base_dir(cfg)
+    check_reward(cfg.reward)
+    machine_plan(cfg, launching=False)
+
+
+def check_machine(cfg: GRPOConfig) -> None:
+    """What this machine must have to run ``cfg``: engines it can launch, the weight sync's
+    process-group backend and, for the mooncake transport, Mooncake."""
+    from titan_core.accelerator import get_accelerator
+    from titan_rl.placement import machine_plan
+
+    machine_plan(cfg, launching=True)
+    accel, sync = get_accelerator(), cfg.sync
+    backend = sync.distributed.backend
+    if sync.transport == "distributed" and backend not in (None, *accel.weight_update_backends):
+        raise ConfigError(
+            f"sync.distributed.backend={backend}: not available on the {accel.name} "
+            f"accelerator; use one of {', '.join(accel.weight_update_backends)}, or leave it "
+            "unset (the accelerator's own)"
+        )
+    if sync.transport == "mooncake" and importlib.util.find_spec("mooncake") is None:
+        raise ConfigError(
+            "sync.transport=mooncake needs the mooncake package (pip install "
+            "mooncake-transfer-engine); or choose another sync.transport"
         )
 
 

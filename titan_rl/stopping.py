@@ -33,7 +33,8 @@ def until_stopped(
         started = asyncio.all_tasks(aio) - before
         for t in started:
             t.cancel()
-        aio.run_until_complete(asyncio.gather(*started, return_exceptions=True))
+        if started:  # gather() of nothing would make its future on another event loop
+            aio.run_until_complete(asyncio.gather(*started, return_exceptions=True))
         return None
     finally:
         unregister()

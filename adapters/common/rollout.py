@@ -145,7 +145,7 @@ class TitanEngines:
         args, e = self.args, self.cfg.engines
         per_engine = args.rollout_num_gpus_per_engine
         n = max(1, args.rollout_num_gpus // per_engine)
-        group = RolloutEngineGroup(
+        group = RolloutEngineGroup.from_config(
             RolloutEnginesConfig(
                 num_engines=n,
                 server=EngineServerConfig(

@@ -107,5 +107,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if transport == "disk":
             if not args.update_weight_disk_dir:
                 ap.error("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
-            args.titan_overrides.append(f"sync.disk_dir={args.update_weight_disk_dir}")
+            args.titan_overrides.append(f"sync.disk.dir={args.update_weight_disk_dir}")
     return args

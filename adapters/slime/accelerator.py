@@ -158,10 +158,12 @@ class TitanAccelerator(_slime_base.Accelerator):
         return self._t.weight_update_backend() if default == "nccl" else default
 
     def post_import_torch(self) -> None:
-        """Titan's start-up answers for megatron-core (see ``adapters.slime.bootstrap``)."""
-        from adapters.slime.bootstrap.musa_titan import apply_rl_patch
+        """Titan's start-up answers for megatron-core, once per process. (The rest of what
+        slime's MUSA bootstrap applies, ``adapters.slime.patch``, is registering this
+        backend: done, since slime calls this hook on the backend it selected.)"""
+        from titan_core.accelerator.megatron_compat import install_megatron_compat
 
-        apply_rl_patch()
+        install_megatron_compat(self._t)
 
 
 def _available() -> bool:

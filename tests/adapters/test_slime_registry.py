@@ -112,6 +112,31 @@ def test_musa_patch_path_bootstrap_applies_once():
     assert Path(out["module"]).parent == BOOTSTRAP
 
 
+def test_titan_backends_post_import_hook_installs_titans_answers():
+    """slime calls ``post_import_torch()`` on the backend it selected: for ``titan`` that is
+    megatron-core's answers from Titan's accelerator (once; a second call changes nothing)."""
+    out = _run(
+        """
+        import json
+        import adapters.slime as titan_slime
+        from slime.utils import accelerator as acc
+        from titan_core.accelerator import megatron_compat
+        titan_slime.register()
+        before = megatron_compat.megatron_compat_installed()
+        acc.post_import_torch()
+        n = len(megatron_compat._PATCHES)
+        acc.post_import_torch()
+        print(json.dumps({
+            "name": acc.get_accelerator().name, "before": before,
+            "after": megatron_compat.megatron_compat_installed(),
+            "unchanged": len(megatron_compat._PATCHES) == n,
+        }))
+        """,
+        SLIME_ACCELERATOR="titan",
+    )
+    assert out == {"name": "titan", "before": None, "after": "cpu", "unchanged": True}
+
+
 def test_musa_titan_path_bootstrap_applies_once():
     """slime PR #2398's lookup: $MUSA_TITAN_PATH on sys.path, import musa_titan, call
     apply_rl_patch() (the wheel predates the PR, so the lookup is done here as it does it)."""

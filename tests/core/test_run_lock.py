@@ -120,29 +120,35 @@ def test_pretrain_on_a_run_dir_in_use_exits_2_naming_the_holder(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_grpo_on_a_run_dir_in_use_exits_2_before_ray_starts(tmp_path):
+def _grpo(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``python -m titan_rl.grpo ARGS``, in this process: its exit code and stderr."""
+    from titan_rl.grpo import main
+
+    code = main(list(args))
+    return code, capsys.readouterr().err
+
+
+def test_grpo_on_a_run_dir_in_use_exits_2_before_ray_starts(tmp_path, capsys):
     run_dir = tmp_path / "run"
     args = ["--config", str(REPO / "examples/math.yaml"), f"run.dir={run_dir}",
             f"policy.load={tmp_path / 'base' / 'checkpoints'}"]  # fmt: skip
     with Holder(run_dir) as holder:
-        proc = _cli("titan_rl.grpo", *args)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"error: run.dir {run_dir} is in use by pid {holder.pid} on host " in proc.stderr
+        code, err = _grpo(capsys, *args)
+    assert code == 2, err[-3000:]
+    assert f"error: run.dir {run_dir} is in use by pid {holder.pid} on host " in err
     assert sorted(p.name for p in run_dir.iterdir()) == [LOCK_NAME]  # nothing else written
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
-def test_grpo_refuses_a_base_in_its_own_checkpoints_folder(tmp_path, dry_run):
+def test_grpo_refuses_a_base_in_its_own_checkpoints_folder(tmp_path, capsys, dry_run):
     """The base would be pretrained in the run.dir the job holds: refused before anything."""
     run_dir = tmp_path / "run"
-    proc = _cli(
-        "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"), f"run.dir={run_dir}",
+    code, err = _grpo(
+        capsys, "--config", str(REPO / "examples/math.yaml"), f"run.dir={run_dir}",
         f"policy.load={run_dir / 'checkpoints'}", *(["--dry-run"] if dry_run else []),
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"policy.load {run_dir / 'checkpoints'} is this run's own checkpoints folder" in (
-        proc.stderr
-    )
+    assert code == 2, err[-3000:]
+    assert f"policy.load {run_dir / 'checkpoints'} is this run's own checkpoints folder" in err
     assert not run_dir.exists()
 
 

@@ -10,6 +10,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from titan_core.config import ConfigError, load_config
+from titan_rl.preflight import check_reward
 from titan_rl.rewards import (
     RewardConfig,
     RewardScorer,
@@ -217,8 +218,8 @@ def test_custom_reward_from_file(tmp_path):
     ],
 )
 def test_bad_custom_path_is_a_config_error(path: str, why: str):
-    with pytest.raises(ConfigError) as e:
-        _load("reward.type=custom", f"reward.custom_path={path}")
+    with pytest.raises(ConfigError) as e:  # its form on loading, the import before the start
+        check_reward(_load("reward.type=custom", f"reward.custom_path={path}"))
     assert "reward.custom_path" in str(e.value) and why in str(e.value)
 
 
@@ -226,7 +227,7 @@ def test_custom_module_that_fails_on_import(tmp_path):
     f = tmp_path / "broken.py"
     f.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ConfigError, match=r"reward\.custom_path.*RuntimeError: boom"):
-        _load("reward.type=custom", f"reward.custom_path={f}:fn")
+        check_reward(_load("reward.type=custom", f"reward.custom_path={f}:fn"))
 
 
 @pytest.mark.parametrize(

@@ -1,39 +1,64 @@
-"""GRPO as a user starts it: --dry-run on every example, config errors, dataset rows."""
+"""GRPO as a user starts it: --dry-run on every example, config errors, dataset rows.
+
+The command line runs in this process (``main(argv)``): what a user sees is its exit code
+and its output, which ``capsys`` holds.
+"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from titan_core.config import ConfigError, load_config
+from titan_core.data.tokenizer import ByteTokenizer
 from titan_rl.config import GRPOConfig, RLDataConfig
-from titan_rl.data import DatasetError, PromptSampler, load_file_prompts, load_prompts
+from titan_rl.data import (
+    DatasetError,
+    PromptSampler,
+    load_file_prompts,
+    load_prompts,
+    stop_token_ids,
+)
+from titan_rl.grpo import main
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("math*.yaml"))
 
 
-def _grpo(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "titan_rl.grpo", *args], capture_output=True, text=True, cwd=REPO
-    )
+@dataclass
+class Exit:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def grpo(capsys):
+    """``python -m titan_rl.grpo ARGS`` as a call: its exit code, stdout and stderr."""
+
+    def call(*args: str) -> Exit:
+        capsys.readouterr()  # what came before is not this command's
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return Exit(code, out, err)
+
+    return call
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
-def test_dry_run_every_example(example):
-    proc = _grpo("--config", str(example), "--dry-run")
-    assert proc.returncode == 0, proc.stderr
-    assert "trainer:" in proc.stdout and "engines:" in proc.stdout
+def test_dry_run_every_example(grpo, example):
+    res = grpo("--config", str(example), "--dry-run")
+    assert res.code == 0, res.err
+    assert "trainer:" in res.out and "engines:" in res.out
 
 
-def test_unknown_key_exits_2():
-    proc = _grpo("--config", str(REPO / "examples/math.yaml"), "rollout.n_sample=4", "--dry-run")
-    assert proc.returncode == 2
-    assert "rollout.n_sample: unknown key" in proc.stderr
+def test_unknown_key_exits_2(grpo):
+    res = grpo("--config", str(REPO / "examples/math.yaml"), "rollout.n_sample=4", "--dry-run")
+    assert res.code == 2
+    assert "rollout.n_sample: unknown key" in res.err
 
 
 @pytest.mark.parametrize(
@@ -106,17 +131,17 @@ def _jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_missing_dataset_exits_2_before_any_pretraining(tmp_path):
+def test_missing_dataset_exits_2_before_any_pretraining(grpo, tmp_path):
     """A broken dataset is a user error (exit 2, one line), found before the base policy
     would be pretrained (policy.load holds no checkpoint here)."""
     path = tmp_path / "d.jsonl"
-    proc = _grpo(
+    res = grpo(
         "--config", str(REPO / "examples/math.yaml"), "data.type=jsonl", f"data.path={path}",
         f"policy.load={tmp_path / 'base' / 'checkpoints'}", f"run.dir={tmp_path / 'run'}",
     )  # fmt: skip
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr == f"error: data.path {path} is not a file; check the path\n"
-    assert "pretraining" not in proc.stdout and not (tmp_path / "base").exists()
+    assert res.code == 2, res.out + res.err
+    assert res.err == f"error: data.path {path} is not a file; check the path\n"
+    assert "pretraining" not in res.out and not (tmp_path / "base").exists()
 
 
 @pytest.mark.parametrize(
@@ -127,22 +152,19 @@ def test_missing_dataset_exits_2_before_any_pretraining(tmp_path):
     ],
     ids=["bad-json", "no-usable-row"],
 )
-def test_unusable_dataset_exits_2(tmp_path, capsys, content, needle):
-    from titan_rl.grpo import main
-
+def test_unusable_dataset_exits_2(grpo, tmp_path, content, needle):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
-    code = main([
+    res = grpo(
         "--config", str(REPO / "examples/math.yaml"), "data.type=jsonl", f"data.path={path}",
         f"policy.load={tmp_path / 'base' / 'checkpoints'}", f"run.dir={tmp_path / 'run'}",
-    ])  # fmt: skip
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("error: ") and needle.format(path=path) in err
+    )  # fmt: skip
+    assert res.code == 2 and res.err.startswith("error: ") and needle.format(path=path) in res.err
     assert not (tmp_path / "base").exists()
 
 
 def test_eval_path_rows_are_checked_and_counted(tmp_path, capsys):
-    from titan_rl.grpo import Loop
+    from titan_rl.rollouts import Rollouts
 
     train = _jsonl(tmp_path / "t.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "x"}])
     held_out = _jsonl(
@@ -151,11 +173,11 @@ def test_eval_path_rows_are_checked_and_counted(tmp_path, capsys):
     )
     overrides = ["data.type=jsonl", f"data.path={train}", f"run.dir={tmp_path / 'run'}"]
     cfg = load_config(GRPOConfig, REPO / "examples/math.yaml", overrides)
-    loop = Loop(
+    rollouts = Rollouts(
         cfg.model_copy(update={"data": cfg.data.model_copy(update={"eval_path": str(held_out)})})
     )
-    assert [p.text for p in loop.eval_prompts] == ["2+2="]
-    assert loop.data_stats == {"data/skipped_rows": 1, "data/eval_skipped_rows": 3}
+    assert [p.text for p in rollouts.eval_prompts] == ["2+2="]
+    assert rollouts.data_stats == {"data/skipped_rows": 1, "data/eval_skipped_rows": 3}
     out = capsys.readouterr().out
     assert f"skipped 1 rows of data.path {train}" in out
     assert f"skipped 3 rows of data.eval_path {held_out}" in out
@@ -164,16 +186,15 @@ def test_eval_path_rows_are_checked_and_counted(tmp_path, capsys):
         GRPOConfig, REPO / "examples/math.yaml", [*overrides, f"data.eval_path={bad}"]
     )
     with pytest.raises(DatasetError, match="data.eval_path"):
-        Loop(cfg)
+        Rollouts(cfg)
 
 
-def test_async_and_colocated_exit_2_naming_both_keys(capsys):
-    from titan_rl.grpo import main
-
+def test_async_and_colocated_exit_2_naming_both_keys(grpo):
     args = ["rollout.async=true", "engines.colocate=true", "--dry-run"]
-    assert main(["--config", str(REPO / "examples/math.yaml"), *args]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "rollout.async" in err and "engines.colocate" in err
+    res = grpo("--config", str(REPO / "examples/math.yaml"), *args)
+    assert res.code == 2
+    assert res.err.startswith("error: ") and "rollout.async" in res.err
+    assert "engines.colocate" in res.err
 
 
 def test_defaults_that_follow_the_mode():
@@ -196,3 +217,51 @@ def test_defaults_that_follow_the_mode():
     )
     with pytest.raises(ConfigError, match="engines.colocate=true"):
         resolved("sync.resume_kv_cache=true")
+
+
+def _word_tokenizer(path: Path, chars: str) -> Path:
+    """A tokenizer.json with one token per character of ``chars`` (ids from 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<|endoftext|>": 0, "<pad>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.save(str(path))
+    return path
+
+
+def test_stop_tokens_come_from_the_task_and_the_tokenizer(tmp_path):
+    """Arithmetic answers end at a newline, in the tokenizer's own id for it; a file
+    dataset's responses end at end of text only."""
+    from titan_rl.rollouts import Rollouts
+
+    def stop_ids(*overrides: str) -> list[int]:
+        args = [f"run.dir={tmp_path / 'run'}", "data.num_eval=4", *overrides]
+        return Rollouts(load_config(GRPOConfig, REPO / "examples/math.yaml", args)).stop_ids
+
+    assert stop_ids() == [256, ord("\n")]  # the byte tokenizer: <eod>, "\n"
+    chars = "0123456789+= ab\n"
+    hf = [
+        "data.tokenizer_type=hf",
+        f"data.tokenizer_model={_word_tokenizer(tmp_path / 't.json', chars)}",
+    ]
+    assert stop_ids(*hf) == [0, 2 + chars.index("\n")]
+    rows = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "label": "2"}])
+    assert stop_ids("data.type=jsonl", f"data.path={rows}") == [256]
+    assert load_prompts(RLDataConfig(), 1, "eval").stop == ("\n",)
+    with pytest.raises(DatasetError, match=r"task X ends each response at '\\r\\n'.*\[13, 10\]"):
+        stop_token_ids(ByteTokenizer(), ["\r\n"], "task X")  # two tokens
+
+
+def test_a_stop_text_of_several_tokens_exits_2(tmp_path, grpo):
+    """A tokenizer without a newline token cannot end arithmetic answers: exit 2, naming the
+    task, before anything is pretrained."""
+    tok = _word_tokenizer(tmp_path / "t.json", "0123456789+=")
+    res = grpo(
+        "--config", str(REPO / "examples/math.yaml"), "data.tokenizer_type=hf",
+        f"data.tokenizer_model={tok}", f"policy.load={tmp_path / 'base' / 'checkpoints'}",
+        f"run.dir={tmp_path / 'run'}",
+    )  # fmt: skip
+    assert res.code == 2, res.out + res.err
+    assert res.err.startswith("error: data.type=arithmetic ends each response at '\\n'")
+    assert not (tmp_path / "base").exists()

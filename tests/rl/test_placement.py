@@ -166,14 +166,14 @@ def test_gpu_layouts_beyond_the_devices_name_the_keys():
     )
 
 
-def test_dry_run_of_an_impossible_layout_exits_2():
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_rl.grpo", "--config", str(MATH), "--dry-run", "trainer_processes=3",
-         "parallel.tensor_model_parallel_size=2"],
-        capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "trainer_processes=3" in proc.stderr, proc.stderr
-    assert proc.stdout == ""
+def test_dry_run_of_an_impossible_layout_exits_2(capsys):
+    from titan_rl.grpo import main
+
+    code = main(["--config", str(MATH), "--dry-run", "trainer_processes=3",
+                 "parallel.tensor_model_parallel_size=2"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and "trainer_processes=3" in err, err
+    assert out == ""
 
 
 # ---- on a real local Ray ----------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_layout_on_a_local_ray(local_ray, hf_model, tmp_path, colocate):
     engine_bundle = 0 if colocate else 1
     assert len(placement.slots) == plan.num_bundles == (1 if colocate else 2)
     trainer = ray.remote(TrainerWorker).options(**placement.trainer_options(0)).remote({}, 0, 1, 0)
-    engines = RolloutEngineGroup(
+    engines = RolloutEngineGroup.from_config(
         RolloutEnginesConfig(
             server=EngineServerConfig(
                 model_path=str(hf_model), backend="builtin", num_threads=1, log_dir=str(tmp_path),

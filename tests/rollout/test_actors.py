@@ -42,7 +42,7 @@ def test_sglang_command_line() -> None:
         extra_args=["--disable-radix-cache"],
     )
     for device in ("cuda", "musa"):
-        cmd = build_command(cfg, 31000, "sglang", device)
+        cmd = build_command(cfg.launch(device), 31000)
         assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
         flags = " ".join(cmd[3:])
         for expected in (
@@ -64,10 +64,13 @@ def test_sglang_command_line() -> None:
 def test_builtin_command_line_and_backend_choice(tiny_model: Path) -> None:
     cfg = EngineServerConfig(model_path=str(tiny_model), num_threads=2)
     if get_accelerator().name == "cpu":
-        assert resolve_backend(cfg) == ("builtin", "cpu")
-        with pytest.raises(ValueError, match="use engines.backend=builtin"):
-            resolve_backend(EngineServerConfig(model_path="m", backend="sglang"))
-    cmd = build_command(cfg, 31001, "builtin", "cpu")
+        assert (cfg.launch().backend, cfg.launch().device) == ("builtin", "cpu")
+        with pytest.raises(ValueError, match=r"backend builtin \(or auto\), on CPU"):
+            EngineServerConfig(model_path="m", backend="sglang").launch()
+    assert (
+        resolve_backend("auto", "cpu") == "builtin" and resolve_backend("auto", "cuda") == "sglang"
+    )
+    cmd = build_command(cfg.launch("cpu"), 31001)
     assert (
         cmd[1:3] == ["-m", "titan_rl.engine"] and "--num-threads" in cmd and "--tp-size" not in cmd
     )
@@ -185,7 +188,7 @@ def test_ray_engine_group_behind_router(
     except Exception as e:  # Ray's own start-up, before any Titan code runs
         ray.shutdown()
         pytest.skip(f"a local Ray cluster could not start on this machine: {e}")
-    group = RolloutEngineGroup(cfg)
+    group = RolloutEngineGroup.from_config(cfg)
     try:
         url = group.start()
         assert len(group.urls) == 2 and len(set(group.urls)) == 2

@@ -8,7 +8,8 @@ import time
 import httpx
 import pytest
 
-from titan_rl.actors.server import ServerProcess, free_port
+from titan_core.net import free_port
+from titan_rl.actors.server import ServerProcess
 from titan_rl.rollout import RetryPolicy, SGLangClient, SGLangRequestError, SGLangUnavailableError
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

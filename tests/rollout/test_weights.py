@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_rl.actors.server import ServerProcess, free_port
+from titan_core.net import free_port
+from titan_rl.actors.server import ServerProcess
 from titan_rl.engine.weights import broadcast_named_tensors, join_weight_update_group
 from titan_rl.rollout import (
     SGLangClient,

@@ -18,8 +18,6 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-
 
 def _version(url: str) -> str | None:
     from titan_rl.rollout import SGLangClient
@@ -39,26 +37,12 @@ def main() -> None:
     ap.add_argument("--transports", nargs="+", required=True)
     a = ap.parse_args()
 
-    from titan_core.config.pretrain import PretrainConfig
-    from titan_core.models.gpt import (
-        build_model_chunks,
-        build_transformer_config,
-        padded_vocab_size,
-    )
-    from titan_core.models.hf import HFBridge, model_config_from_hf
-    from titan_core.parallel.initialize import initialize, shutdown
+    from tests.sync.trainer_setup import hf_trainer_chunks, perturb
+    from titan_core.parallel.initialize import shutdown
     from titan_rl.actors import EngineServerConfig, ServerProcess
     from titan_rl.sync import SyncConfig, WeightSync
 
-    model = model_config_from_hf(a.model_dir, seq_length=32, transformer_impl="local")
-    cfg = PretrainConfig.model_validate(
-        {"model": model.model_dump(), "train": {"micro_batch_size": 1, "global_batch_size": 8}}
-    )
-    accel, _, _ = initialize(cfg)
-    chunks = build_model_chunks(
-        cfg, build_transformer_config(cfg, accel), padded_vocab_size(model.vocab_size, cfg), accel
-    )
-    HFBridge(a.model_dir).load(chunks, a.model_dir)
+    chunks = hf_trainer_chunks(a.model_dir)
     servers = [
         ServerProcess(
             EngineServerConfig(
@@ -80,16 +64,10 @@ def main() -> None:
             s.watch(interval_s=0.2)
         victim, other = servers
         for i, transport in enumerate(a.transports):
-            sc = SyncConfig(
-                transport=transport, bucket_bytes=64_000, disk_dir=str(Path(a.log_dir) / "disk"),
-                check_every=1,
-            )  # fmt: skip
+            disk = {"disk": {"dir": str(Path(a.log_dir) / "disk")}} if transport == "disk" else {}
+            sc = SyncConfig(transport=transport, bucket_bytes=64_000, check_every=1, **disk)
             ws = WeightSync(sc, [s.url for s in servers], a.model_dir)
-            with torch.no_grad():  # weights neither engine has seen
-                g = torch.Generator().manual_seed(10 + i)
-                for chunk in chunks:
-                    for p in chunk.parameters():
-                        p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+            perturb(chunks, seed=10 + i)  # weights neither engine has seen
             version = f"v{i + 1}"
             ws.sync(chunks, step=i + 1, version=version)
             first = victim.pid

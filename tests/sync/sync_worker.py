@@ -3,7 +3,7 @@
 ``python tests/sync/sync_worker.py --engines URL.. --model-dir HF --out out.json
 --transports tensor disk ...`` (torchrun for TP / PP > 1). Before each transport's sync the trainer's
 weights are perturbed in place, so every sync carries weights the engine has not seen.
-``tensor-direct`` is the tensor transport with ``sync.tensor_format=direct``; ``--syncs N``
+``tensor-direct`` is the tensor transport with ``sync.tensor.format=direct``; ``--syncs N``
 syncs N times per transport (perturbing before each), reporting each in ``rounds``.
 ``--supervised``: the engines are supervised (an unreachable one is lost, not a failure);
 ``--no-check-before``: no parity check before the sync (it needs every engine to answer).
@@ -15,7 +15,6 @@ import argparse
 import json
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 
@@ -38,49 +37,29 @@ def main() -> None:
     ap.add_argument("--no-check-before", action="store_true")
     a = ap.parse_args()
 
-    from titan_core.config.pretrain import PretrainConfig
-    from titan_core.models.gpt import (
-        build_model_chunks,
-        build_transformer_config,
-        padded_vocab_size,
-    )
-    from titan_core.models.hf import HFBridge, model_config_from_hf
-    from titan_core.parallel.initialize import initialize, shutdown
+    from tests.sync.trainer_setup import hf_trainer_chunks, perturb
+    from titan_core.parallel.initialize import shutdown
     from titan_rl.sync import SyncConfig, WeightSync, WeightSyncError
 
-    model = model_config_from_hf(a.model_dir, seq_length=32, transformer_impl="local")
-    cfg = PretrainConfig.model_validate(
-        {
-            "model": model.model_dump(),
-            "parallel": {
-                "tensor_model_parallel_size": a.tp,
-                "pipeline_model_parallel_size": a.pp,
-                "expert_model_parallel_size": a.ep,
-                "virtual_pipeline_model_parallel_size": a.vpp,
-            },
-            "train": {"micro_batch_size": 1, "global_batch_size": 8, "lr_warmup_iters": 0},
-        }
-    )
-    accel, _, _ = initialize(cfg)
-    tf = build_transformer_config(cfg, accel)
-    chunks = build_model_chunks(cfg, tf, padded_vocab_size(model.vocab_size, cfg), accel)
-    HFBridge(a.model_dir).load(chunks, a.model_dir)
+    chunks = hf_trainer_chunks(a.model_dir, tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp)
     results = []
     for i, transport in enumerate(a.transports):
-        extra = {"tensor_format": "direct"} if transport == "tensor-direct" else {}
+        name = transport.removesuffix("-direct")
+        settings = {  # the chosen transport's section
+            "tensor": {"format": "direct" if transport == "tensor-direct" else "flattened_bucket"},
+            "disk": {"dir": a.disk_dir},
+            "distributed": {},
+            "mooncake": {"agents": a.agents},
+        }[name]
         sc = SyncConfig(
-            transport=transport.removesuffix("-direct"), bucket_bytes=a.bucket_bytes,
-            disk_dir=a.disk_dir, mooncake_agents=a.agents, check_every=1, strict=False, **extra,
+            transport=name, bucket_bytes=a.bucket_bytes, check_every=1, strict=False,
+            **{name: settings},
         )  # fmt: skip
         ws = WeightSync(sc, a.engines, a.model_dir, supervised=a.supervised)
         res: dict = {"transport": transport, "rounds": []}
         for j in range(a.syncs):
             if not a.no_perturb:  # in place, as an optimizer step
-                with torch.no_grad():
-                    g = torch.Generator().manual_seed(100 + i + 1000 * j)
-                    for chunk in chunks:
-                        for p in chunk.parameters():
-                            p.add_(0.05 * torch.randn(p.shape, generator=g).to(p.dtype))
+                perturb(chunks, seed=100 + i + 1000 * j)
             version = f"v{i + 1}" if a.syncs == 1 else f"v{i + 1}.{j + 1}"
             rnd: dict = {
                 "version": version,

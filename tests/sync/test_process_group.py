@@ -5,11 +5,11 @@ and a destroyed group's name can be joined again."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import torch
 
+from titan_core.net import free_port
 from titan_rl.sync.process_group import destroy_weights_update_group, init_weights_update_group
 
 
@@ -44,16 +44,10 @@ def _member(rank: int, ports: list[int], out: mp.Queue) -> None:
     out.put((rank, got))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_trainer_meets_an_sglang_style_peer_twice():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [ctx.Process(target=_member, args=(r, ports, out)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from titan_core.net import free_port
 from titan_rl.actors.config import EngineServerConfig
-from titan_rl.actors.server import ServerProcess, free_port
+from titan_rl.actors.server import ServerProcess
 from titan_rl.rollout import SGLangClient
 from titan_rl.sync import SyncConfig
 
@@ -175,7 +176,7 @@ def _shm_segments() -> set[Path]:
 
 
 def test_direct_tensor_format_sends_the_live_parameters(model_dir: Path, tmp_path: Path) -> None:
-    # sync.tensor_format=direct: the trainer's parameters (moved into shared memory) travel as
+    # sync.tensor.format=direct: the trainer's parameters (moved into shared memory) travel as
     # they are and the engine copies them; q/k/v are written into shared-memory shadows, so
     # nothing is staged. Two syncs with an in-place change of the parameters in between (as an
     # optimizer step does): the second must carry the new values, and before it the engine
@@ -368,9 +369,9 @@ def test_engine_keeps_the_storages_of_two_weight_versions_mapped() -> None:
 def test_config_errors_say_what_to_do() -> None:
     from titan_core.config.loader import ConfigError, load_config
 
-    with pytest.raises(ValueError, match="disk_dir"):
+    with pytest.raises(ValueError, match=r"sync\.disk\.dir"):
         SyncConfig(transport="disk")
-    with pytest.raises(ValueError, match="mooncake_agents"):
+    with pytest.raises(ValueError, match=r"sync\.mooncake\.agents"):
         SyncConfig(transport="mooncake")
     with pytest.raises(ConfigError, match="bucket_byte"):
         load_config(SyncConfig, overrides=["bucket_byte=3"])

@@ -20,7 +20,8 @@ def cpu_accelerator(monkeypatch):
 
 def test_a_backend_the_accelerator_lacks_is_refused_naming_the_key(cpu_accelerator):
     cfg = SyncConfig(transport="distributed")
-    with pytest.raises(ValueError, match=r"sync\.backend 'nccl' is not available on the cpu"):
+    refused = r"sync\.distributed\.backend 'nccl' is not available on the cpu"
+    with pytest.raises(ValueError, match=refused):
         DistributedTransport(cfg, torch.device("cpu"), "nccl")
     transport = DistributedTransport(cfg, torch.device("cpu"), "gloo")
     assert transport.backend == "gloo"

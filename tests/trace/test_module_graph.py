@@ -1,10 +1,11 @@
-"""No module of ``titan_core.trace`` imports a module that imports it back (issue 17).
+"""No module of ``titan_core``, ``titan_rl`` or ``adapters`` imports a module that imports it
+back, within a package or across them (issue 17).
 
 The import graph is read from the source with :mod:`ast` (nothing is imported), so every
 import statement counts: those inside functions and under ``TYPE_CHECKING`` too. Running
-this file prints the import cycles of ``titan_core`` and ``titan_rl``::
+this file prints the import cycles of the packages named (all three together by default)::
 
-    .venv/bin/python tests/trace/test_module_graph.py
+    .venv/bin/python tests/trace/test_module_graph.py [titan_core titan_rl adapters]
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 import networkx as nx
 
 REPO = Path(__file__).resolve().parents[2]
+#: the packages whose modules must not import each other back
+PACKAGES = ("titan_core", "titan_rl", "adapters")
 
 
 def _module_names(root: Path) -> dict[str, Path]:
@@ -59,11 +62,11 @@ def _targets(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return out  # type: ignore[return-value]
 
 
-def import_graph(root: Path) -> nx.DiGraph:
-    """The import graph of the package folder ``root``: an edge a -> b when module a has an
+def import_graph(*roots: Path) -> nx.DiGraph:
+    """The import graph of the package folders ``roots``: an edge a -> b when module a has an
     import statement naming module b (imports of other packages are left out; a package's
     ``__init__`` counts as a module, implicit imports of parent packages do not)."""
-    modules = _module_names(root)
+    modules = {name: f for root in roots for name, f in _module_names(root).items()}
     graph = nx.DiGraph()
     graph.add_nodes_from(modules)
     for name, path in modules.items():
@@ -71,10 +74,10 @@ def import_graph(root: Path) -> nx.DiGraph:
     return graph
 
 
-def import_cycles(root: Path) -> list[list[str]]:
+def import_cycles(*roots: Path) -> list[list[str]]:
     """One cycle through each group of modules that import each other (directly or
     through others), sorted; empty when the graph has none."""
-    graph = import_graph(root)
+    graph = import_graph(*roots)
     cycles = []
     for group in nx.strongly_connected_components(graph):
         if len(group) > 1:
@@ -90,6 +93,20 @@ def test_trace_modules_import_no_cycle() -> None:
         if any(m.startswith("titan_core.trace") for m in c)
     ]
     assert cycles == [], f"import cycles through titan_core.trace: {cycles}"
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """Within each package and across them (core never imports what imports core)."""
+    cycles = import_cycles(*(REPO / p for p in PACKAGES))
+    assert cycles == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_graph_spans_packages(tmp_path: Path) -> None:
+    """A cycle through two packages is one cycle of their joint graph, and of neither alone."""
+    _write(tmp_path, {"one/__init__.py": "", "one/a.py": "from two.b import f\n"})
+    _write(tmp_path, {"two/__init__.py": "", "two/b.py": "def f():\n    import one.a\n"})
+    assert import_cycles(tmp_path / "one") == [] and import_cycles(tmp_path / "two") == []
+    assert import_cycles(tmp_path / "one", tmp_path / "two") == [["one.a", "two.b"]]
 
 
 def test_comm_does_not_import_breakdown() -> None:
@@ -153,8 +170,8 @@ def test_finds_a_cycle_through_several_modules(tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    for package in sys.argv[1:] or ["titan_core", "titan_rl"]:
-        found = import_cycles(REPO / package)
-        print(f"{package}: {len(found)} import cycle(s)")
-        for cycle in found:
-            print("  " + " -> ".join([*cycle, cycle[0]]))
+    packages = sys.argv[1:] or list(PACKAGES)
+    found = import_cycles(*(REPO / p for p in packages))
+    print(f"{' + '.join(packages)}: {len(found)} import cycle(s)")
+    for cycle in found:
+        print("  " + " -> ".join([*cycle, cycle[0]]))

@@ -27,7 +27,7 @@ class Accelerator(ABC):
     #: the visible-devices variable Ray itself sets for actors holding ``ray_resource``
     #: (Ray's GPU resource sets CUDA_VISIBLE_DEVICES, on MUSA nodes too); None: none.
     ray_visible_devices_env: str | None = None
-    #: process-group backends a weight-update group may use (``sync.backend``): the
+    #: process-group backends a weight-update group may use (``sync.distributed.backend``): the
     #: device's own, and gloo (CPU tensors travel over gloo everywhere).
     weight_update_backends: tuple[str, ...] = ("gloo",)
 

@@ -171,7 +171,7 @@ def save_checkpoint(
         raise CheckpointError(
             f"saving iteration {iteration} to {path} failed: {what}; the partial folder was "
             f"removed, the previous checkpoint under {root} is intact. Free space there (or "
-            "set checkpoint.keep_last lower, or checkpoint.dir elsewhere) and resume"
+            "set checkpoint.keep_last lower, or checkpoint.save elsewhere) and resume"
         ) from e
     _barrier()
     if _rank() == 0:

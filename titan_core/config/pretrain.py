@@ -155,7 +155,34 @@ class TrainConfig(Section):
         return self
 
 
-class DataConfig(Section):
+class TokenizerFields(Section):
+    """The tokenizer keys pretraining and RL share (``data.tokenizer_*``)."""
+
+    #: byte: Titan's byte-level tokenizer (nothing to load); hf: an HF tokenizer.
+    tokenizer_type: Literal["byte", "hf"] = "byte"
+    #: tokenizer_type hf: a tokenizer.json file or an HF directory (never downloaded).
+    tokenizer_model: str | None = None
+
+    @model_validator(mode="after")
+    def _check_tokenizer(self) -> TokenizerFields:
+        if self.tokenizer_type == "hf" and not self.tokenizer_model:
+            raise ValueError(
+                "data.tokenizer_model (a tokenizer.json file or HF directory) is required "
+                "when data.tokenizer_type=hf"
+            )
+        return self
+
+
+class ArithmeticFields(Section):
+    """The keys of the generated a+b=c problems pretraining and RL share."""
+
+    #: digits per operand.
+    num_digits: PositiveInt = 3
+    #: "plain" (57+8=65) or "aligned" (57+08=560: padded, sum reversed).
+    arithmetic_format: Literal["plain", "aligned"] = "plain"
+
+
+class DataConfig(TokenizerFields, ArithmeticFields):
     #: arithmetic: generated a+b=c corpus (learnable, no download), packed, loss on every
     #: token; arithmetic_sft: the same problems one per row, loss on the answer only (what
     #: a model that must answer them needs: see titan_core/data/sft.py); indexed: Megatron
@@ -164,14 +191,11 @@ class DataConfig(Section):
     type: Literal["arithmetic", "arithmetic_sft", "indexed", "synthetic"] = "arithmetic"
     #: Megatron blend: ["path_prefix"] or ["w1", "prefix1", "w2", "prefix2"].
     data_path: list[str] = Field(default_factory=list)
+    #: train,validation,test weights (Megatron's --split).
     split: str = "98,2,0"
-    tokenizer_type: Literal["byte", "hf"] = "byte"
-    tokenizer_model: str | None = None
-    #: arithmetic corpus: digits per operand and number of problems.
-    num_digits: PositiveInt = 3
-    #: arithmetic: "plain" (57+8=65) or "aligned" (57+08=560: padded, sum reversed).
-    arithmetic_format: Literal["plain", "aligned"] = "plain"
+    #: arithmetic corpus: number of problems.
     num_samples: PositiveInt = 200_000
+    #: where built datasets and their index cache go (None: ``<run.dir>/data``).
     cache_dir: str | None = None
 
     @field_validator("data_path", mode="before")
@@ -188,11 +212,6 @@ class DataConfig(Section):
             raise ValueError("data.data_path is required when data.type=indexed")
         self.split_weights()
         self.blend()
-        if self.tokenizer_type == "hf" and not self.tokenizer_model:
-            raise ValueError(
-                "data.tokenizer_model (a tokenizer.json file or HF directory) is required "
-                "when data.tokenizer_type=hf"
-            )
         return self
 
     def split_weights(self) -> list[float]:
@@ -254,11 +273,14 @@ class ProfileConfig(Section):
     steps: list[PositiveInt] = Field(default_factory=list)
     #: default ``<run.dir>/traces``.
     dir: str | None = None
+    #: record Python stacks with each op (larger traces).
     with_stack: bool = False
 
 
 class RunConfig(Section):
+    #: the run's folder: checkpoints, metrics.jsonl, traces (one job at a time).
     dir: str = "runs/pretrain"
+    #: a label for the run, kept in the config its checkpoints save.
     name: str | None = None
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from titan_core.accelerator import Accelerator, get_accelerator
 from titan_core.accelerator.megatron_compat import install_megatron_compat
 from titan_core.config.pretrain import PretrainConfig, check_layout
+from titan_core.net import free_port
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,6 @@ def dist_env() -> DistEnv:
         world_size=int(os.environ.get("WORLD_SIZE", 1)),
         local_rank=int(os.environ.get("LOCAL_RANK", 0)),
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_random_seed(seed: int, pp_rank: int) -> None:

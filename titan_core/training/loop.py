@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -12,66 +11,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 
 from titan_core.accelerator import Accelerator, get_accelerator, megatron_scope
-from titan_core.checkpoint import (
-    latest_iteration,
-    load_checkpoint,
-    save_checkpoint,
-    saved_vocab_rows,
-)
+from titan_core.checkpoint import latest_iteration
 from titan_core.checkpoint.dist import iteration_dir, unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
-from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
 from titan_core.signals import StopSignals, signal_name
 from titan_core.training.annotate import MicrobatchAnnotator
+from titan_core.training.build import CheckpointSource, build_training
 from titan_core.training.finite import check_loss_and_grads, check_params
 from titan_core.training.metrics import MetricsWriter, drop_records_after, format_status
-from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_core.training.profiling import StepProfiler
-
-
-@megatron_scope()
-def wrap_model(cfg: PretrainConfig, tf, chunks: list) -> list:  # noqa: ANN001
-    """Float16Module for bf16/fp16, then megatron-core's DDP, as megatron's get_model does."""
-    if cfg.train.bf16 or cfg.train.fp16:
-        chunks = [Float16Module(tf, c) for c in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.train.bf16 or cfg.train.fp16,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        overlap_param_gather=cfg.parallel.overlap_param_gather,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-    wrapped = [
-        DistributedDataParallel(tf, ddp_config, c, disable_bucketing=(i > 0))
-        for i, c in enumerate(chunks)
-    ]
-    for w in wrapped:
-        w.broadcast_params()
-    return wrapped
-
-
-def configure_schedule_hooks(tf, model: list, optimizer) -> None:  # noqa: ANN001
-    """The hooks megatron's schedules call: grad sync control, finalize, loss scaling."""
-    no_sync = [m.no_sync for m in model]
-    tf.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
-    if model[0].ddp_config.overlap_grad_reduce:
-        grad_sync = [m.start_grad_sync for m in model]
-        tf.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
-    if model[0].ddp_config.overlap_param_gather:
-        param_sync = [m.start_param_sync for m in model]
-        tf.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
-    tf.finalize_model_grads_func = finalize_model_grads
-    tf.grad_scale_func = optimizer.scale_loss
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):  # noqa: ANN201
@@ -192,16 +145,6 @@ _NONFINITE_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class _Load:
-    """Where a run's weights come from: a checkpoint folder and iteration; ``resume``: the
-    run's own (optimizer, scheduler and data position too), else initial weights only."""
-
-    root: Path
-    iteration: int
-    resume: bool
-
-
 class Trainer:
     """Builds everything from a config, then ``train()`` runs until ``train.train_iters`` (or
     the first evaluation reaching ``train.stop_at_eval_accuracy``)."""
@@ -219,15 +162,10 @@ class Trainer:
         #: (folder, iteration) this run loads its weights from, if any
         self.load_from = self._checkpoint_to_load()
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
-        src = self.load_from
-        rows = saved_vocab_rows(src.root, src.iteration) if src else None
-        self.vocab_size = padded_vocab_size(vocab, cfg, rows)
-        self.tf = build_transformer_config(cfg, accel)
-        chunks = build_model_chunks(cfg, self.tf, self.vocab_size, accel)
-        self.model = wrap_model(cfg, self.tf, chunks)
-        self.optimizer = build_optimizer(cfg, self.model)
-        self.scheduler = build_scheduler(cfg, self.optimizer)
-        configure_schedule_hooks(self.tf, self.model, self.optimizer)
+        self.setup = build_training(cfg, accel, vocab, self.load_from)
+        self.tf, self.model = self.setup.tf, self.setup.model
+        self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
+        self.vocab_size = self.setup.vocab_size
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
         self.step = 0
         self.consumed_samples = 0
@@ -237,14 +175,14 @@ class Trainer:
         self.stopped_by: int | None = None
 
     # ---- checkpoints ---------------------------------------------------------------
-    def _checkpoint_to_load(self) -> _Load | None:
+    def _checkpoint_to_load(self) -> CheckpointSource | None:
         """The run's own latest checkpoint (a resume), else ``checkpoint.pretrained_checkpoint``'s
         latest (initial weights only), else None (a new model)."""
         ck = self.cfg.checkpoint
         load_dir = Path(ck.load) if ck.load else self.save_dir
         iteration = latest_iteration(load_dir) if ck.auto_resume else None
         if iteration is not None:
-            return _Load(load_dir, iteration, resume=True)
+            return CheckpointSource(load_dir, iteration, resume=True)
         if ck.pretrained_checkpoint:
             root = Path(ck.pretrained_checkpoint)
             it = latest_iteration(root)
@@ -253,41 +191,30 @@ class Trainer:
                     f"checkpoint.pretrained_checkpoint {root} holds no complete checkpoint "
                     f"(no {root}/latest_checkpointed_iteration.txt)"
                 )
-            return _Load(root, it, resume=False)
+            return CheckpointSource(root, it, resume=False)
         return None
 
     def maybe_resume(self) -> None:
         src = self.load_from
         if src is None:
             return
+        common = self.setup.load(src)
         if src.resume:
-            common = load_checkpoint(src.root, src.iteration, self.model, self.optimizer)
             self.step = int(common["step"])
             self.consumed_samples = int(common["consumed_samples"])
-            self.scheduler.load_state_dict(common["scheduler"])
             self.eval_accuracy = common.get("eval_accuracy")
             self._say(f"resumed from {src.root} at step {self.step}")
         else:
-            load_checkpoint(src.root, src.iteration, self.model, optimizer=None)
             self._say(f"initialized weights from {src.root} (iteration {src.iteration})")
 
     def save(self) -> None:
         check_params(self.model, f"step {self.step}: checkpoint refused", _NONFINITE_HINT)
         common: dict[str, Any] = {
-            "step": self.step,
             "consumed_samples": self.consumed_samples,
-            "scheduler": self.scheduler.state_dict(),
             "config": self.cfg.model_dump(mode="json"),
             "eval_accuracy": self.eval_accuracy,
         }
-        save_checkpoint(
-            self.save_dir,
-            self.step,
-            self.model,
-            self.optimizer,
-            common,
-            keep_last=self.cfg.checkpoint.keep_last,
-        )
+        self.setup.save(self.save_dir, self.step, common, self.cfg.checkpoint.keep_last)
         self._say(f"saved checkpoint {self.save_dir}/iter_{self.step:07d}")
 
     # ---- training ------------------------------------------------------------------

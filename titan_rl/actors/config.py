@@ -1,16 +1,62 @@
-"""Typed configs of the rollout engines and the router (YAML section ``rollout``)."""
+"""Typed configs of the rollout engines and the router, and the frozen launch spec an engine
+actor takes as is.
+
+An :class:`EngineServerConfig` is a server as one asks for it (``backend: auto`` allowed);
+an :class:`EngineLaunch` is that server resolved for a machine: the backend chosen, the
+device named, the rules checked. The GRPO job resolves its engines once, in the placement
+plan (titan_rl/placement.py); a server started by hand resolves in :meth:`~EngineServerConfig.
+launch`. Either way the actor receives the launch and turns it into argv in one function
+(titan_rl/actors/server.py's ``build_command``).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from titan_core.config import Section
 
+EngineBackend = Literal["builtin", "sglang"]
+
+
+def resolve_backend(requested: str, accelerator: str) -> EngineBackend:
+    """``auto``: the built-in engine on a cpu accelerator, SGLang on cuda / musa. The one place
+    ``auto`` is resolved (the placement plan and a hand-started server both call it)."""
+    if requested == "auto":
+        return "builtin" if accelerator == "cpu" else "sglang"
+    return cast(EngineBackend, requested)
+
+
+def engine_problem(backend: str, tp_size: int, device: str | None) -> tuple[str, str] | None:
+    """What stops ``backend`` from serving ``tp_size``-way on ``device`` (None: not known yet):
+    (the setting at fault, why and what to do), or None. The one place these rules live; the
+    caller names the key in its own terms (``engines.tp_size``, ``--tp-size``, ...)."""
+    if backend == "builtin" and tp_size != 1:
+        return "tp_size", (
+            "the built-in engine runs one process (tp_size 1); use SGLang on GPUs for tensor "
+            "parallelism, or start several engines behind the router"
+        )
+    if backend == "sglang" and device == "cpu":
+        return "backend", (
+            "SGLang needs a cuda or musa accelerator and this machine's is cpu (SGLang's CPU "
+            "build is not installable here); use the built-in engine, backend builtin (or "
+            "auto), on CPU"
+        )
+    return None
+
+
+def _check(backend: str, tp_size: int, device: str | None) -> None:
+    problem = engine_problem(backend, tp_size, device)
+    if problem is not None:
+        key, why = problem
+        value = tp_size if key == "tp_size" else backend
+        raise ValueError(f"{key}={value}: {why}")
+
 
 class EngineServerConfig(Section):
-    """One rollout server: SGLang on cuda/musa, the built-in engine on cpu."""
+    """One rollout server as asked for: SGLang on cuda/musa, the built-in engine on cpu."""
 
     model_path: str
     #: "auto": the built-in engine when the accelerator is cpu, SGLang otherwise.
@@ -20,7 +66,7 @@ class EngineServerConfig(Section):
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     enable_memory_saver: bool = False
     host: str = "127.0.0.1"
-    #: None: pick a free port at start-up.
+    #: None: pick a free port at start-up (on the node the server runs on).
     port: int | None = Field(None, ge=1, le=65535)
     api_key: str | None = None
     weight_version: str = "default"
@@ -36,10 +82,52 @@ class EngineServerConfig(Section):
     log_dir: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> EngineServerConfig:
-        if self.backend == "builtin" and self.tp_size != 1:
-            raise ValueError("backend 'builtin' (the CPU engine) runs with tp_size 1")
+    def _check_backend(self) -> EngineServerConfig:
+        if self.backend != "auto":  # auto is checked once resolved, in EngineLaunch
+            _check(self.backend, self.tp_size, None)
         return self
+
+    def launch(self, accelerator: str | None = None, **resolved: Any) -> EngineLaunch:
+        """This server resolved for ``accelerator`` (None: this machine's), with ``resolved``
+        settings (``base_gpu_id``, ``bind_node_ip``, ...) on top; ValueError if it cannot run."""
+        if accelerator is None:
+            from titan_core.accelerator import get_accelerator
+
+            accelerator = get_accelerator().name
+        fields = self.model_dump(exclude={"backend"}) | resolved
+        return EngineLaunch(
+            **fields, backend=resolve_backend(self.backend, accelerator), device=accelerator
+        )
+
+
+class EngineLaunch(EngineServerConfig):
+    """One engine server, resolved: what its actor runs, as is (frozen)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    backend: EngineBackend  # type: ignore[assignment]
+    #: the accelerator it serves on ("cpu", "cuda", "musa"): SGLang's ``--device``.
+    device: str
+    #: bind to the IP of the node Ray places the actor on (known only there): the driver of
+    #: a job on an existing cluster may run on another node.
+    bind_node_ip: bool = False
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> EngineLaunch:  # in place of EngineServerConfig's
+        _check(self.backend, self.tp_size, self.device)
+        return self
+
+    def launch(self, accelerator: str | None = None, **resolved: Any) -> EngineLaunch:
+        """Already resolved: itself, with ``resolved`` settings on top."""
+        return self.model_copy(update=resolved) if resolved else self
+
+
+@dataclass(frozen=True)
+class PlacedEngine:
+    """An engine's launch and where its actor goes (Ray ``.options()``; None: it floats)."""
+
+    launch: EngineLaunch
+    actor_options: dict[str, Any] | None = None
 
 
 class RouterConfig(Section):
@@ -59,7 +147,8 @@ class RouterConfig(Section):
 
 
 class RolloutEnginesConfig(Section):
-    """The engine group: ``num_engines`` servers behind one router."""
+    """An engine group as asked for: ``num_engines`` servers behind one router (what tests
+    and the slime / miles adapters start; the GRPO job's comes from its placement plan)."""
 
     num_engines: int = Field(1, ge=1)
     server: EngineServerConfig

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig
+from titan_rl.actors.config import EngineLaunch, PlacedEngine, RolloutEnginesConfig, RouterConfig
 from titan_rl.actors.recovery import EngineRecovery, Resync
 from titan_rl.actors.router import RouterProcess
 from titan_rl.actors.server import ServerProcess
@@ -23,19 +23,12 @@ class RolloutEngine:
     Plain class so it can be used without Ray; ``RolloutEngineActor`` is its Ray actor.
     """
 
-    def __init__(
-        self,
-        cfg: EngineServerConfig | dict[str, Any],
-        name: str = "engine0",
-        bind_node_ip: bool = False,
-    ) -> None:
-        if isinstance(cfg, dict):
-            cfg = EngineServerConfig.model_validate(cfg)
-        if bind_node_ip:  # reachable from the driver's node, wherever Ray placed this actor
+    def __init__(self, launch: EngineLaunch, name: str = "engine0") -> None:
+        if launch.bind_node_ip:  # reachable from the driver's node, wherever Ray placed it
             import ray
 
-            cfg = cfg.model_copy(update={"host": ray.util.get_node_ip_address()})
-        self.server = ServerProcess(cfg, name=name)
+            launch = launch.model_copy(update={"host": ray.util.get_node_ip_address()})
+        self.server = ServerProcess(launch, name=name)
 
     def start(self) -> str:
         url = self.server.start(wait=True)
@@ -78,23 +71,40 @@ def _ray_actor_class() -> Any:
 
 
 class RolloutEngineGroup:
-    """``num_engines`` engine actors behind one sglang-router (driver side).
-
-    ``placements`` (one per engine, from titan_rl.placement) put each actor on its bundle of
-    the job's placement group, with its device share and SGLang's base_gpu_id; without them
-    the actors float and hold no resources.
+    """Engine actors behind one sglang-router (driver side), from their launches, resolved
+    before (the GRPO job's placement plan, or :meth:`from_config`); each actor takes its
+    launch as is. ``router`` None or disabled: no router (one engine only).
     """
 
-    def __init__(
-        self, cfg: RolloutEnginesConfig, placements: Sequence[EnginePlacement] | None = None
-    ) -> None:
-        if placements is not None and len(placements) != cfg.num_engines:
-            raise ValueError(f"{len(placements)} placements for {cfg.num_engines} engines")
-        self.cfg = cfg
-        self.placements = placements
+    def __init__(self, engines: Sequence[PlacedEngine], router: RouterConfig | None = None) -> None:
+        if not engines:
+            raise ValueError("an engine group needs at least one engine")
+        self.engines = list(engines)
+        self.router_cfg = router if router is not None and router.enabled else None
+        if len(self.engines) > 1 and self.router_cfg is None:
+            raise ValueError(f"{len(self.engines)} engines need a router (one URL for clients)")
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.router: RouterProcess | None = None
+
+    @classmethod
+    def from_config(
+        cls, cfg: RolloutEnginesConfig, placements: Sequence[EnginePlacement] | None = None
+    ) -> RolloutEngineGroup:
+        """``cfg.num_engines`` servers resolved for this machine, each on its placement (its
+        Ray options and SGLang's base_gpu_id, titan_rl.placement); without placements the
+        actors float and hold no resources."""
+        if placements is not None and len(placements) != cfg.num_engines:
+            raise ValueError(f"{len(placements)} placements for {cfg.num_engines} engines")
+        launch = cfg.server.launch()
+        if placements is None:
+            return cls([PlacedEngine(launch)] * cfg.num_engines, cfg.router)
+        return cls([p.place(launch) for p in placements], cfg.router)
+
+    @property
+    def launch(self) -> EngineLaunch:
+        """The first engine's launch (api_key, start-up weight version: the same for all)."""
+        return self.engines[0].launch
 
     @property
     def url(self) -> str:
@@ -109,20 +119,15 @@ class RolloutEngineGroup:
         import ray
 
         actor_cls = _ray_actor_class()
-        server = self.cfg.server
         self.actors = []
-        for i in range(self.cfg.num_engines):
-            cfg, cls, bind = server.model_dump(), actor_cls, False
-            if self.placements is not None:
-                where = self.placements[i]
-                cls, bind = actor_cls.options(**where.actor_options), where.bind_node_ip
-                if where.base_gpu_id is not None:
-                    cfg["base_gpu_id"] = where.base_gpu_id
-            self.actors.append(cls.remote(cfg, name=f"engine{i}", bind_node_ip=bind))
+        for i, placed in enumerate(self.engines):
+            opts = placed.actor_options
+            cls = actor_cls if opts is None else actor_cls.options(**opts)
+            self.actors.append(cls.remote(placed.launch, name=f"engine{i}"))
         try:
             self.urls = ray.get([a.start.remote() for a in self.actors])
-            if self.cfg.router.enabled:
-                self.router = RouterProcess(self.cfg.router, api_key=server.api_key)
+            if self.router_cfg is not None:
+                self.router = RouterProcess(self.router_cfg, api_key=self.launch.api_key)
                 self.router.start()
                 for url in self.urls:
                     self.router.add_worker(url)
@@ -147,8 +152,8 @@ class RolloutEngineGroup:
     def recovery(self, resync: Resync, timeout_s: float) -> EngineRecovery:
         """The driver-side recovery of these engines (after :meth:`start`)."""
         return EngineRecovery(
-            self.urls, resync, router=self.router, api_key=self.cfg.server.api_key,
-            version=self.cfg.server.weight_version, timeout_s=timeout_s, gave_up=self.gave_up,
+            self.urls, resync, router=self.router, api_key=self.launch.api_key,
+            version=self.launch.weight_version, timeout_s=timeout_s, gave_up=self.gave_up,
         )  # fmt: skip
 
     def stop(self) -> None:

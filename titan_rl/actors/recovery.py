@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
-from titan_rl.rollout.client import SGLangClient
+from titan_rl.rollout import ClientOptions, EngineClient, make_engine_client
 
 if TYPE_CHECKING:
     from titan_rl.actors.router import RouterProcess
@@ -73,7 +73,7 @@ class EngineRecovery:
         #: engines the router lists (after the last check); all of them without a router
         self.listed: set[str] = set(self.urls)
         self._down_since: dict[str, float] = {}
-        self._clients: dict[str, SGLangClient] = {}
+        self._clients: dict[str, EngineClient] = {}
         self._lock: asyncio.Lock | None = None
         #: engines given the current weights since the last take_metrics()
         self.resyncs = 0
@@ -95,9 +95,9 @@ class EngineRecovery:
         self.target = version
 
     # ---- checks ----------------------------------------------------------------------------
-    def _client(self, url: str) -> SGLangClient:
+    def _client(self, url: str) -> EngineClient:
         if url not in self._clients:
-            self._clients[url] = SGLangClient(url, api_key=self.api_key)
+            self._clients[url] = make_engine_client(url, ClientOptions(api_key=self.api_key))
         return self._clients[url]
 
     def _get_lock(self) -> asyncio.Lock:

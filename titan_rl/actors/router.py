@@ -12,8 +12,9 @@ import time
 
 import httpx
 
-from titan_rl.actors.config import EngineServerConfig, RouterConfig
-from titan_rl.actors.server import ServerProcess, free_port
+from titan_core.net import free_port
+from titan_rl.actors.config import EngineLaunch, RouterConfig
+from titan_rl.actors.server import ServerProcess
 
 log = logging.getLogger("titan_rl.actors")
 
@@ -58,10 +59,11 @@ class RouterProcess(ServerProcess):
     def __init__(self, cfg: RouterConfig, api_key: str | None = None, name: str = "router") -> None:
         self.router_cfg = cfg
         self.api_key = api_key
-        # ServerProcess needs an EngineServerConfig for its bookkeeping fields
-        shim = EngineServerConfig(
+        # ServerProcess's bookkeeping fields (host, port, timeouts, logs); command() is ours
+        shim = EngineLaunch(
             model_path="-",
             backend="builtin",
+            device="cpu",
             host=cfg.host,
             port=cfg.port,
             startup_timeout_s=cfg.startup_timeout_s,
@@ -69,8 +71,6 @@ class RouterProcess(ServerProcess):
             log_dir=cfg.log_dir,
         )
         super().__init__(shim, name=name)
-        self.backend = "router"
-        self.port = cfg.port or free_port(cfg.host)
 
     def command(self) -> list[str]:
         return build_router_command(self.router_cfg, self.port, self.api_key)

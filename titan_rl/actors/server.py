@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,78 +14,39 @@ from pathlib import Path
 
 import httpx
 
-from titan_core.accelerator import get_accelerator
 from titan_core.child_process import die_with_parent
-from titan_rl.actors.config import EngineServerConfig
+from titan_core.net import free_port
+from titan_rl.actors.config import EngineLaunch, EngineServerConfig
 
 log = logging.getLogger("titan_rl.actors")
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def resolve_backend(cfg: EngineServerConfig) -> tuple[str, str]:
-    """(backend, device): the built-in engine on cpu, SGLang on cuda / musa."""
-    device = get_accelerator().name
-    backend = cfg.backend
-    if backend == "auto":
-        backend = "builtin" if device == "cpu" else "sglang"
-    if backend == "sglang" and device == "cpu":
-        raise ValueError(
-            "engines.backend is 'sglang' but the accelerator is cpu; SGLang's CPU build is "
-            "not installable here, so use engines.backend=builtin (or auto) on CPU"
-        )
-    if backend == "builtin" and cfg.tp_size != 1:
-        raise ValueError("the built-in CPU engine runs with tp_size 1")
-    return backend, device
-
-
-def build_command(cfg: EngineServerConfig, port: int, backend: str, device: str) -> list[str]:
-    """The server's command line (SGLang's flag names for both backends)."""
-    common = [
-        "--model-path",
-        cfg.model_path,
-        "--host",
-        cfg.host,
-        "--port",
-        str(port),
-        "--weight-version",
-        cfg.weight_version,
-    ]
-    if cfg.api_key:
-        common += ["--api-key", cfg.api_key]
-    if cfg.context_length:
-        common += ["--context-length", str(cfg.context_length)]
-    if cfg.skip_tokenizer_init:
+def build_command(launch: EngineLaunch, port: int) -> list[str]:
+    """The server's command line (SGLang's flag names for both backends): the one place a
+    launch becomes argv."""
+    common = ["--model-path", launch.model_path, "--host", launch.host, "--port", str(port)]
+    common += ["--weight-version", launch.weight_version]
+    if launch.api_key:
+        common += ["--api-key", launch.api_key]
+    if launch.context_length:
+        common += ["--context-length", str(launch.context_length)]
+    if launch.skip_tokenizer_init:
         common += ["--skip-tokenizer-init"]
-    if backend == "sglang":
-        cmd = [
-            sys.executable,
-            "-m",
-            "sglang.launch_server",
-            *common,
-            "--tp-size",
-            str(cfg.tp_size),
-            "--base-gpu-id",
-            str(cfg.base_gpu_id),
-            "--device",
-            device,
-        ]
-        if cfg.mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
-        if cfg.enable_memory_saver:
+    if launch.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", *common]
+        cmd += ["--tp-size", str(launch.tp_size), "--base-gpu-id", str(launch.base_gpu_id)]
+        cmd += ["--device", launch.device]
+        if launch.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+        if launch.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
     else:
         cmd = [sys.executable, "-m", "titan_rl.engine", *common]
-        if cfg.num_threads:
-            cmd += ["--num-threads", str(cfg.num_threads)]
-    return cmd + list(cfg.extra_args)
+        if launch.num_threads:
+            cmd += ["--num-threads", str(launch.num_threads)]
+    return cmd + list(launch.extra_args)
 
 
 def build_env(cfg: EngineServerConfig) -> dict[str, str]:
@@ -111,9 +71,9 @@ class ServerProcess:
     dies_with_parent = False
 
     def __init__(self, cfg: EngineServerConfig, name: str = "engine") -> None:
-        self.cfg = cfg
+        #: the launch, as given, or resolved here for this machine from a config
+        self.cfg = cfg.launch()
         self.name = name
-        self.backend, self.device = resolve_backend(cfg)
         self.port = cfg.port or free_port(cfg.host)
         self.restarts = 0
         #: the supervisor saw the server die and will not restart it (max_restarts reached)
@@ -135,7 +95,7 @@ class ServerProcess:
         return self._proc.pid if self._proc else None
 
     def command(self) -> list[str]:
-        return build_command(self.cfg, self.port, self.backend, self.device)
+        return build_command(self.cfg, self.port)
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -1,4 +1,5 @@
-"""Policy-gradient loss: PPO clip (clip-higher, dual clip), GSPO, KL loss, entropy bonus, TIS.
+"""Policy-gradient loss: PPO clip (clip-higher, dual clip), GSPO, KL loss, entropy bonus, and
+the rollout corrections (TIS, MIS, IcePop: ``rollout_correction``).
 
 Shapes: every per-token tensor is ``[B, T]`` over response positions, ``response_mask`` is 1
 on the tokens that count. ``logprobs`` carries the gradient; everything else is treated as a
@@ -11,9 +12,8 @@ import torch
 from torch import Tensor
 
 from titan_rl.algo.config import AlgoConfig, KLKind, LossAggMode
+from titan_rl.algo.rollout_correction import LOG_RATIO_CLAMP, rollout_correction
 
-#: log-ratios are clamped before exp() so one bad token cannot overflow (verl uses 20).
-LOG_RATIO_CLAMP = 20.0
 #: the GSPO sequence log-ratio is clamped at this value from above (verl uses 10).
 SEQ_LOG_RATIO_MAX = 10.0
 
@@ -97,10 +97,21 @@ def policy_loss(
     sequence ratio ``exp(mean_t(lp - old_lp))`` in value, with each token's gradient flowing
     through its own ``lp`` (GSPO-token straight-through, which equals GSPO for equal
     advantages over a sequence). With ``use_tis`` the per-token policy-gradient loss is scaled
-    by ``min(exp(old_lp - rollout_lp), tis_clip)`` (the KL and entropy terms are not).
-    Metrics are means over this call's valid tokens, independent of ``total_*``.
+    by ``clip(exp(old_lp - rollout_lp), tis_clip_low, tis_clip)`` (the KL and entropy terms
+    are not), IcePop scales it by the ratio or 0, and the tokens MIS drops leave every term
+    and the normaliser: ``total_tokens`` / ``total_seqs`` must then count the tokens and
+    sequences left (``rollout_correction(...).mask``). Metrics are means over this call's
+    tokens, independent of ``total_*``.
     """
-    mask = response_mask.to(logprobs.dtype)
+    correction = None
+    if rollout_logprobs is not None:
+        correction = rollout_correction(old_logprobs, rollout_logprobs, response_mask, cfg)
+        mask = correction.mask.to(logprobs.dtype)
+    else:
+        switch = next((k for k in ("use_tis", "use_rs", "use_icepop") if getattr(cfg, k)), None)
+        if switch is not None:
+            raise ValueError(f"algo.{switch} is true but no rollout_logprobs were given")
+        mask = response_mask.to(logprobs.dtype)
     agg = {"mode": cfg.loss_agg_mode, "total_tokens": total_tokens, "total_seqs": total_seqs}
     old = old_logprobs.detach()
     adv = advantages.detach().to(logprobs.dtype)
@@ -133,19 +144,11 @@ def policy_loss(
         "ratio_mean": _masked_mean(ratio.detach(), mask),
     }
 
-    if rollout_logprobs is not None:
+    if correction is not None:
         diff = (old - rollout_logprobs.detach()).abs()
-        stats["train_rollout_logprob_abs_diff"] = _masked_mean(diff, mask)
-    if cfg.use_tis:
-        if rollout_logprobs is None:
-            raise ValueError("algo.use_tis is true but no rollout_logprobs were given")
-        tis = torch.exp(
-            torch.clamp(old - rollout_logprobs.detach(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        )
-        tis_w = torch.clamp(tis, max=cfg.tis_clip)
-        pg = pg * tis_w
-        stats["tis_mean"] = _masked_mean(tis, mask)
-        stats["tis_clipfrac"] = _masked_mean((tis > cfg.tis_clip).to(mask.dtype), mask)
+        stats["train_rollout_logprob_abs_diff"] = _masked_mean(diff, response_mask)
+        stats.update(correction.stats)
+        pg = pg * correction.weight.to(pg.dtype)
 
     pg_loss = aggregate(pg, mask, **agg)
     loss = pg_loss

@@ -72,11 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     """Reject what the CPU engine cannot do, with the fix in the message."""
-    if args.tp_size != 1:
-        raise SystemExit(
-            f"--tp-size {args.tp_size}: the built-in CPU engine runs one process (tp_size 1). "
-            "Use SGLang on GPUs for tensor parallelism, or start several engines behind the router."
-        )
+    from titan_rl.actors.config import engine_problem
+
+    if (problem := engine_problem("builtin", args.tp_size, None)) is not None:
+        raise SystemExit(f"--tp-size {args.tp_size}: {problem[1]}")
     if args.dp_size != 1:
         raise SystemExit("--dp-size: start several engines behind sglang-router instead")
     if args.device != "cpu":

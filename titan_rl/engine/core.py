@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
+from titan_core.models.hf.families import FAMILIES
 from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
 from titan_rl.engine.weights import checkpoint_tensors
 
 log = logging.getLogger("titan_rl.engine")
 
-SUPPORTED_MODEL_TYPES = {"llama", "qwen2", "qwen3", "qwen3_moe"}
 #: SGLang's memory tags (``/release_memory_occupation``); ``cuda_graph`` is a no-op on CPU.
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 #: without these the engine cannot generate
@@ -127,10 +127,11 @@ class Engine:
         if num_threads:
             torch.set_num_threads(num_threads)
         config = AutoConfig.from_pretrained(str(path))
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
+        # the families the trainer maps to HF names: what a weight sync can send
+        if config.model_type not in FAMILIES:
             raise ValueError(
                 f"model type {config.model_type!r} is not supported by the CPU engine; "
-                f"supported: {sorted(SUPPORTED_MODEL_TYPES)}"
+                f"supported: {sorted(FAMILIES)}"
             )
         layer_types = getattr(config, "layer_types", None) or []
         if getattr(config, "use_sliding_window", False) or any(

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
 from titan_core.config import Section
+from titan_rl.rewards.custom import CustomRewardFn, load_custom_reward, split_custom_path
 
 #: end-of-text markers an exact-match answer is cut at (besides the first newline).
 DEFAULT_STOP_STRINGS = ["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "</s>", "<eos>"]
@@ -27,16 +28,25 @@ class RewardConfig(Section):
     be extracted. Use a negative weight with a pattern that matches bad output for a penalty.
     """
 
+    #: how a response is scored (see above).
     type: Literal["exact_match", "math_verify", "custom"] = "exact_match"
+    #: custom: the function, ``module:function`` or ``path/to/file.py:function``. Validation
+    #: checks its form only; the GRPO job imports it before anything starts (a missing module
+    #: is an error then), and each reward worker once.
     custom_path: str | None = None
+    #: added to the score of a well-formed response (see above).
     format_reward: float = Field(0.0, allow_inf_nan=False)
+    #: what a well-formed response matches (``re.search``, DOTALL); None: any whose answer
+    #: could be extracted.
     format_pattern: str | None = None
+    #: exact_match: the answer is cut at the first of these (and at the first newline).
     stop_strings: list[str] = Field(default_factory=lambda: list(DEFAULT_STOP_STRINGS))
     #: wall-clock seconds one sample's reward call may run in a reward worker (custom and
     #: math_verify rewards, and any with a format_pattern; a plain exact match is a string
     #: comparison, scored inline). Past it the worker is killed and replaced, and the sample
     #: scores ``timeout_score`` (counted in ``reward/timeouts``).
     timeout_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
+    #: the score of a sample whose reward call ran past ``timeout_s``.
     timeout_score: float = Field(0.0, allow_inf_nan=False)
     #: a reward that is not a finite number or a bool (NaN, inf, None, a string): "error"
     #: stops the run naming the sample; "drop" leaves the sample out of the loss (its group
@@ -59,9 +69,7 @@ class RewardConfig(Section):
     @classmethod
     def _check_custom_path(cls, v: str | None) -> str | None:
         if v is not None:
-            from titan_rl.rewards.custom import load_custom_reward
-
-            load_custom_reward(v)  # raises ValueError naming reward.custom_path
+            split_custom_path(v)  # its form; importing it is load_custom()'s
         return v
 
     @model_validator(mode="after")
@@ -81,3 +89,8 @@ class RewardConfig(Section):
                 "reward.format_pattern is required for reward.format_reward with a custom reward"
             )
         return self
+
+    def load_custom(self) -> CustomRewardFn | None:
+        """The ``custom_path`` function, imported (None unless ``type`` is custom); ValueError
+        naming ``reward.custom_path`` when it cannot be imported or called so."""
+        return load_custom_reward(self.custom_path) if self.custom_path else None

@@ -32,14 +32,22 @@ def _import_file(path: Path) -> Any:
     return module
 
 
-def load_custom_reward(spec: str) -> CustomRewardFn:
-    """Import and return the function named by ``spec``; ValueError naming the key if not."""
+def split_custom_path(spec: str) -> tuple[str, str]:
+    """``spec`` as (module or file, function), importing nothing; ValueError naming the key
+    when it has not that form."""
     module_name, sep, attr = spec.rpartition(":")
     if not sep or not module_name or not attr:
         raise ValueError(
             f"{_KEY} {spec!r} must be 'module:function' (e.g. my_pkg.rewards:score) "
             "or 'path/to/file.py:function'"
         )
+    return module_name, attr
+
+
+def load_custom_reward(spec: str) -> CustomRewardFn:
+    """Import and return the function named by ``spec``; ValueError naming the key if not.
+    A module is imported once per process (a second call finds it in ``sys.modules``)."""
+    module_name, attr = split_custom_path(spec)
     try:
         if module_name.endswith(".py"):
             path = Path(module_name)

@@ -19,7 +19,6 @@ from typing import Any, Literal
 import numpy as np
 
 from titan_rl.rewards.config import RewardConfig
-from titan_rl.rewards.custom import load_custom_reward
 from titan_rl.rewards.errors import InvalidRewardError
 from titan_rl.rewards.math_answer import math_reward
 
@@ -97,7 +96,7 @@ class RewardScorer:
     def __init__(self, cfg: RewardConfig) -> None:
         self.cfg = cfg
         self._pattern = re.compile(cfg.format_pattern, re.DOTALL) if cfg.format_pattern else None
-        self._custom = load_custom_reward(cfg.custom_path) if cfg.type == "custom" else None
+        self._custom = cfg.load_custom()
         #: runs ``async def`` custom rewards (one loop, so their clients can be reused)
         self._loop: asyncio.AbstractEventLoop | None = None
 

@@ -13,19 +13,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from titan_rl.rollout.engine_api import (
+    ClientOptions,
+    EngineError,
+    EngineUnavailableError,
+    GenerateOutput,
+    RetryPolicy,
+)
+
 RETRY_STATUS = frozenset({500, 502, 503, 504})
+#: the options every backend's factory takes; their defaults are this client's
+_DEFAULTS = ClientOptions()
 
 
-class SGLangError(RuntimeError):
+class SGLangError(EngineError):
     """Base class of the client's errors."""
 
 
@@ -39,7 +47,7 @@ class SGLangRequestError(SGLangError):
         self.path = path
 
 
-class SGLangUnavailableError(SGLangError):
+class SGLangUnavailableError(SGLangError, EngineUnavailableError):
     """The server could not be reached or kept failing (5xx) after all retries."""
 
 
@@ -47,77 +55,28 @@ class WeightUpdateError(SGLangError):
     """A weight update answered ``success: false``."""
 
 
-@dataclass
-class RetryPolicy:
-    """Retries of connection errors and 5xx answers for ``timeout_s`` from the first failure
-    (the last one at the deadline), and at most ``max_retries`` extra attempts when set.
-
-    The window, not a count, is what must cover a server's restart: with the backoff growing
-    to ``max_backoff_s``, five retries are over in ~6 s, long before a restarted engine
-    answers (~20 s for the built-in engine on 2 busy cores, minutes for SGLang loading a
-    large model).
-    """
-
-    timeout_s: float = 60.0
-    max_retries: int | None = None
-    initial_backoff_s: float = 0.2
-    max_backoff_s: float = 5.0
-    multiplier: float = 2.0
-    jitter: float = 0.2
-
-    def __post_init__(self) -> None:
-        if self.timeout_s < 0:
-            raise ValueError(f"RetryPolicy.timeout_s must be >= 0, got {self.timeout_s}")
-        if self.max_retries is not None and self.max_retries < 0:
-            raise ValueError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
-
-    def delay(self, attempt: int) -> float:
-        base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**attempt)
-        return base * (1.0 + random.uniform(-self.jitter, self.jitter))
-
-
-@dataclass
-class GenerateOutput:
-    """One completion: the fields an RL loop reads from SGLang's response."""
-
-    output_ids: list[int]
-    finish_reason: dict[str, Any]
-    weight_version: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    rid: str | None
-    output_logprobs: list[float] | None = None
-    text: str | None = None
-    meta_info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def finish_type(self) -> str:
-        return str((self.finish_reason or {}).get("type", ""))
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_type == "abort"
-
-    @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> GenerateOutput:
-        if not isinstance(obj, dict) or "meta_info" not in obj:
-            raise SGLangError(f"unexpected /generate response: {str(obj)[:200]}")
-        meta = obj["meta_info"]
-        logprobs = meta.get("output_token_logprobs")
-        ids = obj.get("output_ids")
-        if ids is None and logprobs is not None:
-            ids = [int(t[1]) for t in logprobs]
-        return cls(
-            output_ids=list(ids or []),
-            finish_reason=meta.get("finish_reason") or {},
-            weight_version=meta.get("weight_version"),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            completion_tokens=int(meta.get("completion_tokens", 0)),
-            rid=meta.get("id"),
-            output_logprobs=None if logprobs is None else [float(t[0]) for t in logprobs],
-            text=obj.get("text"),
-            meta_info=meta,
-        )
+def _output(obj: Any) -> GenerateOutput:
+    """One completion of SGLang's ``/generate`` answer."""
+    if not isinstance(obj, dict) or "meta_info" not in obj:
+        raise SGLangError(f"unexpected /generate response: {str(obj)[:200]}")
+    meta = obj["meta_info"]
+    logprobs = meta.get("output_token_logprobs")
+    inputs = meta.get("input_token_logprobs")
+    ids = obj.get("output_ids")
+    if ids is None and logprobs is not None:
+        ids = [int(t[1]) for t in logprobs]
+    return GenerateOutput(
+        output_ids=list(ids or []),
+        finish_reason=meta.get("finish_reason") or {},
+        weight_version=meta.get("weight_version"),
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        completion_tokens=int(meta.get("completion_tokens", 0)),
+        rid=meta.get("id"),
+        output_logprobs=None if logprobs is None else [float(t[0]) for t in logprobs],
+        text=obj.get("text"),
+        input_logprobs=None if inputs is None else [t[0] for t in inputs],
+        meta_info=meta,
+    )
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -139,17 +98,18 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 class SGLangClient:
-    """Async client of one SGLang endpoint (a server or a router)."""
+    """Async client of one SGLang endpoint (a server or a router): the ``sglang`` backend's
+    :class:`~titan_rl.rollout.engine_api.EngineClient`."""
 
     def __init__(
         self,
         base_url: str,
         *,
         api_key: str | None = None,
-        max_concurrency: int = 256,
+        max_concurrency: int = _DEFAULTS.max_concurrency,
         connect_timeout_s: float = 10.0,
         request_timeout_s: float | None = 3600.0,
-        control_timeout_s: float = 600.0,
+        control_timeout_s: float = _DEFAULTS.control_timeout_s,
         retry: RetryPolicy | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -306,8 +266,8 @@ class SGLangClient:
         }
         data = await self.generate_raw(payload)
         if isinstance(data, list):
-            return [GenerateOutput.from_json(d) for d in data]
-        return GenerateOutput.from_json(data)
+            return [_output(d) for d in data]
+        return _output(data)
 
     async def generate_stream(
         self,
@@ -349,7 +309,7 @@ class SGLangClient:
                 obj = json.loads(data)
                 if "error" in obj:
                     raise SGLangError(f"/generate stream: {obj['error']}")
-                yield GenerateOutput.from_json(obj)
+                yield _output(obj)
 
     async def generate_batch(
         self,
@@ -370,7 +330,7 @@ class SGLangClient:
         data = await self.generate_raw(payload)
         if not isinstance(data, list):
             data = [data]
-        return [GenerateOutput.from_json(d) for d in data]
+        return [_output(d) for d in data]
 
     # ---- flow control -------------------------------------------------------------------------
     async def flush_cache(self) -> bool:

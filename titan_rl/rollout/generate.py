@@ -21,7 +21,7 @@ from typing import Any, Literal
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rewards.errors import RewardError
-from titan_rl.rollout.client import GenerateOutput, SGLangClient, SGLangError
+from titan_rl.rollout.engine_api import EngineClient, EngineError, GenerateOutput
 from titan_rl.rollout.rewarding import RewardCounts
 from titan_rl.sample import Sample, Status
 
@@ -55,7 +55,7 @@ class VersionCheck:
 
 
 async def _generate_checked(
-    client: SGLangClient,
+    client: EngineClient,
     tokens: list[int],
     params: dict[str, Any],
     versions: VersionCheck | None,
@@ -145,7 +145,7 @@ def _sample_from(prompt: Prompt, tokens: list[int], out: GenerateOutput, g: int,
 
 
 async def generate_groups(
-    client: SGLangClient,
+    client: EngineClient,
     prompts: list[Prompt],
     encode: Callable[[str], list[int]],
     decode: Callable[[list[int]], str],
@@ -203,7 +203,7 @@ async def generate_groups(
     if leftovers:
         try:  # one attempt: an engine that is down has nothing running to abort
             await client.abort_request(abort_all=True, retries=0)
-        except SGLangError as e:
+        except EngineError as e:
             log.warning("could not abort the leftover requests: %s", e)
         for t in leftovers:
             t.cancel()
@@ -231,7 +231,7 @@ async def generate_groups(
 
 
 async def evaluate(
-    client: SGLangClient,
+    client: EngineClient,
     prompts: list[Prompt],
     encode: Callable[[str], list[int]],
     decode: Callable[[list[int]], str],

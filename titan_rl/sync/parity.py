@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_rl.rollout import SGLangClient
+from titan_rl.rollout.engine_api import EngineClient
 
 
 def probe_batch(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -17,15 +17,14 @@ def probe_batch(num: int, length: int, vocab_size: int, seed: int) -> list[list[
     return torch.randint(0, vocab_size, (num, length), generator=g).tolist()
 
 
-async def engine_logprobs(client: SGLangClient, probe: list[list[int]]) -> list[torch.Tensor]:
+async def engine_logprobs(client: EngineClient, probe: list[list[int]]) -> list[torch.Tensor]:
     """Input-token logprobs (tokens 1..L-1) of each probe sequence, from ``/generate``."""
     outs = await client.generate_batch(
         probe, {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True, logprob_start_len=0
     )
     result = []
     for o in outs:
-        rows = o.meta_info.get("input_token_logprobs") or []
-        vals = [r[0] for r in rows[1:]]
+        vals = (o.input_logprobs or [])[1:]
         if len(vals) != len(probe[0]) - 1 or any(v is None for v in vals):
             raise RuntimeError(
                 f"{client.base_url} returned {len(vals)} input logprobs for a {len(probe[0])}-token"
@@ -56,8 +55,8 @@ def trainer_logprobs(
 
     if ps.get_context_parallel_world_size() > 1:
         raise NotImplementedError(
-            "the trainer probe does not split sequences for context parallelism; pass "
-            "trainer_logprobs_fn to WeightSync or set sync.check_every=0 with CP > 1"
+            "the trainer probe does not split sequences for context parallelism; set "
+            "sync.check_every=0 with parallel.context_parallel_size > 1"
         )
     models = [unwrap(c) for c in chunks]
     if not models:

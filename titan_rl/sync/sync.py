@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from titan_core.models.hf import HFBridge
-from titan_rl.rollout import SGLangClient
-from titan_rl.rollout.client import RetryPolicy, SGLangUnavailableError
+from titan_rl.rollout import ClientOptions, make_engine_client
+from titan_rl.rollout.engine_api import EngineUnavailableError, RetryPolicy
 from titan_rl.sync import parity, shm_reaper
 from titan_rl.sync.buckets import NamedTensors, bucket_nbytes
 from titan_rl.sync.config import SyncConfig
@@ -48,6 +48,7 @@ from titan_rl.sync.transports import (
     MooncakeTransport,
     TensorTransport,
     Transport,
+    each_engine,
 )
 
 log = logging.getLogger(__name__)
@@ -89,28 +90,23 @@ class WeightSync:
         hf_config: dict[str, Any] | str | Path,
         *,
         api_key: str | None = None,
-        metrics: Any = None,
-        trainer_logprobs_fn: Callable[[list[Any], list[list[int]]], list[torch.Tensor]]
-        | None = None,
         device: torch.device | None = None,
-        dst: int = 0,
         supervised: bool = False,
     ) -> None:
         if not engine_urls:
             raise ValueError("WeightSync needs at least one engine URL")
-        if cfg.transport == "mooncake" and len(cfg.mooncake_agents) != len(engine_urls):
+        if cfg.transport == "mooncake" and len(cfg.mooncake.agents) != len(engine_urls):
             raise ValueError(
-                f"sync.mooncake_agents has {len(cfg.mooncake_agents)} URLs for "
+                f"sync.mooncake.agents has {len(cfg.mooncake.agents)} URLs for "
                 f"{len(engine_urls)} engines; give one agent per engine, in the same order"
             )
         self.cfg = cfg
         self.bridge = HFBridge(hf_config)
-        self.metrics = metrics
-        self.dst = dst
+        #: the trainer rank that talks to the engines (the others take part in the gathers)
+        self.dst = 0
         self.supervised = supervised
         self.api_key = api_key
         self.engine_urls = list(engine_urls)
-        self.trainer_logprobs_fn = trainer_logprobs_fn
         self.device = device or torch.device("cpu")
         self.num_syncs = 0
         self.version: str | None = None
@@ -120,8 +116,8 @@ class WeightSync:
             cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
         )
         self._transport: Transport | None = None
-        #: tensor transport sending the parameters themselves (sync.tensor_format=direct)
-        self._direct = cfg.transport == "tensor" and cfg.tensor_format == "direct"
+        #: tensor transport sending the parameters themselves (sync.tensor.format=direct)
+        self._direct = cfg.transport == "tensor" and cfg.tensor.format == "direct"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
 
@@ -136,7 +132,7 @@ class WeightSync:
             from titan_core.accelerator import get_accelerator
 
             # the broadcast carries tensors staged on the trainer's device
-            backend = self.cfg.backend or get_accelerator().weight_update_backend_for(
+            backend = self.cfg.distributed.backend or get_accelerator().weight_update_backend_for(
                 self.device.type
             )
             return DistributedTransport(self.cfg, self.device, backend)
@@ -170,8 +166,6 @@ class WeightSync:
         self.num_syncs += 1
         if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
             metrics.update(self.check(chunks, version=version))
-        if _rank() == self.dst and self.metrics is not None:
-            self.metrics.write({"step": step, **metrics})
         return metrics
 
     def resync(self, chunks: list[Any], urls: list[str], version: str) -> dict[str, float]:
@@ -269,7 +263,7 @@ class WeightSync:
         def fail(found: Failures, stage: str) -> None:
             for url, exc in found.items():
                 failures.setdefault(url, f"{stage}: {_describe(exc)}")
-                if isinstance(exc, SGLangUnavailableError):
+                if isinstance(exc, EngineUnavailableError):
                     unreachable.add(url)
 
         t_start = time.perf_counter()
@@ -284,7 +278,7 @@ class WeightSync:
         await tr.end(engines)
         transfer_s = time.perf_counter() - t0
         live = [e for e in engines if e.url not in failures]
-        fail(await _each_call(live, lambda e: e.client.update_weight_version(version)), "version")
+        fail(await each_engine(live, lambda e: e.client.update_weight_version(version)), "version")
         lost = self._lost(engines, failures, unreachable, version)
         for e in engines:
             if e.url in lost:
@@ -298,12 +292,12 @@ class WeightSync:
         serving = [e for e in engines if not e.extra.get("left_paused") and e.url not in lost]
         if self.cfg.resume_kv_cache and not restarted:  # colocated: the KV cache comes back
             fail(
-                await _each_call(
+                await each_engine(
                     serving, lambda e: e.client.resume_memory_occupation(KV_CACHE_TAGS)
                 ),
                 "resume kv_cache",
             )
-        await _each_call(serving, lambda e: e.client.continue_generation())
+        await each_engine(serving, lambda e: e.client.continue_generation())
         if failures:
             raise WeightSyncError(failures, version)
         if not restarted:
@@ -405,10 +399,7 @@ class WeightSync:
         Every trainer rank must call this (the trainer side runs megatron's forward-only
         schedule over TP / PP / VPP); the metrics come back on ``dst``, ``{}`` elsewhere.
         """
-        fn = self.trainer_logprobs_fn or (
-            lambda c, p: parity.trainer_logprobs(c, p, self.bridge.vocab_size)
-        )
-        ours = fn(chunks, self.probe)
+        ours = parity.trainer_logprobs(chunks, self.probe, self.bridge.vocab_size)
         if _rank() != self.dst:
             return {}
 
@@ -423,7 +414,7 @@ class WeightSync:
                 return None
             try:
                 found = await parity.engine_logprobs(e.client, self.probe)
-            except SGLangUnavailableError as ex:
+            except EngineUnavailableError as ex:
                 log.warning("parity: %s did not answer the probe (%s); not scored", e.url, ex)
                 return None
             after = await e.client.weight_version()
@@ -495,20 +486,11 @@ NO_RETRY = RetryPolicy(timeout_s=0.0, max_retries=0)
 
 class _Clients:
     def __init__(self, urls: list[str], api_key: str | None, timeout_s: float) -> None:
-        self.engines = [
-            Engine(
-                u, SGLangClient(u, api_key=api_key, control_timeout_s=timeout_s, retry=NO_RETRY), i
-            )
-            for i, u in enumerate(urls)
-        ]
+        options = ClientOptions(api_key=api_key, control_timeout_s=timeout_s, retry=NO_RETRY)
+        self.engines = [Engine(u, make_engine_client(u, options), i) for i, u in enumerate(urls)]
 
     async def aclose(self) -> None:
         await asyncio.gather(*(e.client.aclose() for e in self.engines))
-
-
-async def _each_call(engines: list[Engine], fn: Callable[[Engine], Any]) -> Failures:
-    results = await asyncio.gather(*(fn(e) for e in engines), return_exceptions=True)
-    return {e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
 
 
 async def _pause(engines: list[Engine], mode: str) -> Failures:
@@ -516,4 +498,4 @@ async def _pause(engines: list[Engine], mode: str) -> Failures:
         await e.client.pause_generation(mode)
         await e.client.flush_cache()
 
-    return await _each_call(engines, one)
+    return await each_engine(engines, one)

@@ -9,6 +9,7 @@ import contextlib
 import os
 import shutil
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,9 @@ import torch
 import torch.multiprocessing
 
 from titan_core.accelerator import get_accelerator
+from titan_core.net import free_port
 from titan_rl.engine.weights import unflatten
-from titan_rl.rollout import SGLangClient
+from titan_rl.rollout.engine_api import EngineClient
 from titan_rl.sync import shm_reaper
 from titan_rl.sync.buckets import (
     NamedTensors,
@@ -40,14 +42,15 @@ class Engine:
     """One rollout engine as the sync sees it."""
 
     url: str
-    client: SGLangClient
+    client: EngineClient
     index: int
     #: buckets this engine has applied in the current sync (0: still on the old weights).
     applied: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-async def _each(engines: list[Engine], fn: Any) -> Failures:
+async def each_engine(engines: list[Engine], fn: Callable[[Engine], Awaitable[Any]]) -> Failures:
+    """``fn`` on every engine at once; the engines it raised for, with what it raised."""
     results = await asyncio.gather(*(fn(e) for e in engines), return_exceptions=True)
     return {e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)}
 
@@ -115,7 +118,7 @@ class _Staging:
 class TensorTransport(Transport):
     """Colocated: ``update_weights_from_tensor``, one call per bucket.
 
-    ``sync.tensor_format=flattened_bucket``: each bucket is copied into a staging buffer and
+    ``sync.tensor.format=flattened_bucket``: each bucket is copied into a staging buffer and
     sent as one flattened uint8 tensor. Two staging buffers alternate, so bucket k+1 is
     flattened (in a worker thread) while the engines load bucket k. Flattening is one bucket at
     a time: two copies at once would only share the memory bandwidth and leave the engines idle
@@ -142,7 +145,7 @@ class TensorTransport(Transport):
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
-        self.direct = cfg.tensor_format == "direct"
+        self.direct = cfg.tensor.format == "direct"
         self.staging = [_Staging(device), _Staging(device)]
         self._turn = 0
         self._flattening: asyncio.Lock | None = None
@@ -208,7 +211,7 @@ class TensorTransport(Transport):
             )
             e.applied += 1
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
     async def submitted(self, task: asyncio.Future) -> None:
         await asyncio.sleep(0)  # the send starts, and sets _posted before it first waits
@@ -240,7 +243,7 @@ class TensorTransport(Transport):
             )
             e.applied += 1
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
 
 class DiskTransport(Transport):
@@ -250,7 +253,7 @@ class DiskTransport(Transport):
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
-        self.root = Path(cfg.disk_dir or ".")
+        self.root = Path(cfg.disk.dir or ".")
         self._tmp: Path | None = None
         self._parts = 0
         self.path: Path | None = None
@@ -284,7 +287,7 @@ class DiskTransport(Transport):
             await e.client.update_weights_from_disk(str(final), flush_cache=False)
             e.applied += 1
 
-        failures = await _each(engines, one)
+        failures = await each_engine(engines, one)
         self._prune(final)
         return failures
 
@@ -292,17 +295,9 @@ class DiskTransport(Transport):
         versions = sorted(
             (p for p in self.root.glob("version-*") if p.is_dir()), key=lambda p: p.stat().st_mtime
         )
-        for p in versions[: -self.cfg.disk_keep]:
+        for p in versions[: -self.cfg.disk.keep]:
             if p != current:
                 shutil.rmtree(p, ignore_errors=True)
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class DistributedTransport(Transport):
@@ -313,7 +308,7 @@ class DistributedTransport(Transport):
         accel = get_accelerator()
         if backend not in accel.weight_update_backends:
             raise ValueError(
-                f"sync.backend {backend!r} is not available on the {accel.name} accelerator; "
+                f"sync.distributed.backend {backend!r} is not available on the {accel.name} accelerator; "
                 f"use one of {', '.join(accel.weight_update_backends)}, or leave it unset"
             )
         self.backend = backend
@@ -321,28 +316,29 @@ class DistributedTransport(Transport):
         self.staging = _Staging(device, shared=False)
 
     def _name(self, e: Engine) -> str:
-        return f"{self.cfg.group_name}-{e.index}"
+        return f"{self.cfg.distributed.group_name}-{e.index}"
 
     async def begin(self, engines: list[Engine], version: str) -> Failures:
         async def one(e: Engine) -> None:
             if e.url in self.groups:
                 return
-            port = self.cfg.master_port + e.index if self.cfg.master_port else 0
-            port = port or _free_port(self.cfg.master_address)
-            args = (self.cfg.master_address, port, 0, 2, self._name(e), self.backend)
+            where = self.cfg.distributed
+            port = where.master_port + e.index if where.master_port else 0
+            port = port or free_port(where.master_address)
+            args = (where.master_address, port, 0, 2, self._name(e), self.backend)
             join = asyncio.create_task(
                 asyncio.to_thread(init_weights_update_group, *args, self.cfg.timeout_s)
             )
             try:
                 await e.client.init_weights_update_group(
-                    self.cfg.master_address, port, 1, 2, self._name(e), self.backend
+                    where.master_address, port, 1, 2, self._name(e), self.backend
                 )
             except BaseException:
                 join.cancel()
                 raise
             self.groups[e.url] = await join
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         flat, _ = flatten_into(self.staging.get(bucket_nbytes(bucket)), bucket)
@@ -362,7 +358,7 @@ class DistributedTransport(Transport):
             await req
             e.applied += 1
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
     async def end(self, engines: list[Engine]) -> None:
         return None  # groups persist across syncs; destroyed in close()
@@ -383,14 +379,13 @@ class MooncakeTransport(Transport):
         super().__init__(cfg, device)
         from mooncake.engine import TransferEngine
 
+        mc = cfg.mooncake
         self.te = TransferEngine()
-        rc = self.te.initialize(
-            cfg.mooncake_host, "P2PHANDSHAKE", cfg.mooncake_protocol, cfg.mooncake_device
-        )
+        rc = self.te.initialize(mc.host, "P2PHANDSHAKE", mc.protocol, mc.device)
         if rc != 0:
             raise RuntimeError(
-                f"Mooncake TransferEngine.initialize({cfg.mooncake_host!r}, P2PHANDSHAKE, "
-                f"{cfg.mooncake_protocol!r}) failed with {rc}; check sync.mooncake_host"
+                f"Mooncake TransferEngine.initialize({mc.host!r}, P2PHANDSHAKE, "
+                f"{mc.protocol!r}) failed with {rc}; check sync.mooncake.host"
             )
         self.staging = _Staging(torch.device("cpu"), shared=False)
         self._registered: tuple[int, int] | None = None
@@ -409,12 +404,12 @@ class MooncakeTransport(Transport):
 
     async def begin(self, engines: list[Engine], version: str) -> Failures:
         async def one(e: Engine) -> None:
-            agent = self.cfg.mooncake_agents[e.index]
+            agent = self.cfg.mooncake.agents[e.index]
             r = await self.http.get(f"{agent}/info")
             r.raise_for_status()
             e.extra["agent"], e.extra["info"] = agent, r.json()
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         nbytes = bucket_nbytes(bucket)
@@ -439,7 +434,7 @@ class MooncakeTransport(Transport):
                 raise RuntimeError(f"agent {e.extra['agent']}: {data.get('message', r.text)}")
             e.applied += 1
 
-        return await _each(engines, one)
+        return await each_engine(engines, one)
 
     def close(self) -> None:
         if self._registered is not None:

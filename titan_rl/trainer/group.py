@@ -27,7 +27,7 @@ class TrainerWorker:
         """Rank 0's node IP and a free port there: the process group's rendezvous."""
         import ray
 
-        from titan_rl.actors.server import free_port
+        from titan_core.net import free_port
 
         return ray.util.get_node_ip_address(), free_port("")
 
@@ -145,6 +145,19 @@ class TrainerWorker:
         self.trainer.shutdown()
 
 
+class TrainCall:
+    """A policy update in flight on every rank (``TrainerGroup.train_async``)."""
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.refs = refs  # one Ray object ref per rank
+
+    def result(self) -> dict[str, float]:
+        """Rank 0's metrics once every rank has finished (a rank's error is raised here)."""
+        import ray
+
+        return ray.get(self.refs)[0]
+
+
 class TrainerGroup:
     """Driver-side handle of the trainer actors; every call goes to all ranks.
 
@@ -190,8 +203,13 @@ class TrainerGroup:
         """Runs after the work already sent to the trainers (Ray keeps each actor's order)."""
         return self._all("resync_engines", urls, version)[0]
 
+    def train_async(self, batch: RLBatch, step: int | None = None) -> TrainCall:
+        """Start the policy update on every rank and return at once, so the driver can roll
+        out the next step meanwhile (async rollout); ``.result()`` waits for it."""
+        return TrainCall([w.train.remote(batch, step) for w in self.workers])
+
     def train(self, batch: RLBatch, step: int | None = None) -> dict[str, float]:
-        return self._all("train", batch, step)[0]
+        return self.train_async(batch, step).result()
 
     def begin_step(self, step: int) -> None:
         self._all("begin_step", step)

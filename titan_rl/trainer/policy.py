@@ -21,25 +21,20 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from titan_core.accelerator import megatron_scope
-from titan_core.checkpoint import (
-    latest_iteration,
-    load_checkpoint,
-    save_checkpoint,
-    saved_vocab_rows,
-)
+from titan_core.checkpoint import latest_iteration, load_checkpoint
 from titan_core.checkpoint.dist import unwrap
 from titan_core.config.loader import ConfigError
 from titan_core.data.tokenizer import build_tokenizer
-from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.models.gpt import build_model_chunks
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
 from titan_core.models.hf.from_titan import llama_config_for
 from titan_core.parallel.initialize import initialize
 from titan_core.training.annotate import MicrobatchAnnotator
+from titan_core.training.build import CheckpointSource, build_training
 from titan_core.training.finite import check_finite_values, check_loss_and_grads, check_params
-from titan_core.training.loop import configure_schedule_hooks, wrap_model
-from titan_core.training.optim import build_optimizer, build_scheduler
 from titan_rl.algo.advantages import compute_advantages
 from titan_rl.algo.losses import policy_loss
+from titan_rl.algo.rollout_correction import mismatch_metrics, rollout_correction
 from titan_rl.config import GRPOConfig
 from titan_rl.trainer.batch import RLBatch
 
@@ -73,26 +68,24 @@ class PolicyTrainer:
         self.accel, self.env, self.dp = initialize(self.pcfg)
         self.rank = dist.get_rank()
         self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        if cfg.algo.entropy_coef and cfg.parallel.tensor_model_parallel_size > 1:
+            raise ConfigError("algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1")
+        source = None
         if cfg.policy.format == "hf":
             self.hf_config = read_hf_config(cfg.policy.load)
             vocab = int(self.hf_config["vocab_size"])
-            rows = None
         else:
             vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
             it = latest_iteration(cfg.policy.load)
             # the policy is the checkpoint's model, padding rows included, at any TP
-            rows = saved_vocab_rows(cfg.policy.load, it) if it is not None else None
-        self.vocab_size = padded_vocab_size(vocab, self.pcfg, rows)
+            if it is not None:
+                source = CheckpointSource(Path(cfg.policy.load), it, resume=False)
+        self.setup = build_training(self.pcfg, self.accel, vocab, source)
+        self.tf, self.model = self.setup.tf, self.setup.model
+        self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
+        self.vocab_size = self.setup.vocab_size
         if cfg.policy.format == "titan":
             self.hf_config = llama_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
-        if cfg.algo.entropy_coef and cfg.parallel.tensor_model_parallel_size > 1:
-            raise ConfigError("algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1")
-        self.tf = build_transformer_config(self.pcfg, self.accel)
-        chunks = build_model_chunks(self.pcfg, self.tf, self.vocab_size, self.accel)
-        self.model = wrap_model(self.pcfg, self.tf, chunks)
-        self.optimizer = build_optimizer(self.pcfg, self.model)
-        self.scheduler = build_scheduler(self.pcfg, self.optimizer)
-        configure_schedule_hooks(self.tf, self.model, self.optimizer)
         self._load_policy(self.model)
         #: microbatch ranges of the policy updates on profiled steps (titan_rl.trainer.group)
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
@@ -151,16 +144,13 @@ class PolicyTrainer:
     # ---- checkpoints -----------------------------------------------------------------
     def save(self, step: int, extra: dict[str, Any]) -> None:
         self.check_finite(f"step {step}: checkpoint")
-        common = {"step": step, "scheduler": self.scheduler.state_dict(), **extra}
-        save_checkpoint(self.save_dir, step, self.model, self.optimizer, common, keep_last=2)
+        self.setup.save(self.save_dir, step, extra, keep_last=2)
 
     def resume(self) -> dict[str, Any] | None:
         it = latest_iteration(self.save_dir)
         if it is None:
             return None
-        common = load_checkpoint(self.save_dir, it, self.model, self.optimizer)
-        self.scheduler.load_state_dict(common["scheduler"])
-        return common
+        return self.setup.load(CheckpointSource(self.save_dir, it, resume=True))
 
     # ---- schedules -------------------------------------------------------------------
     def _local_rows(self, batch: RLBatch) -> RLBatch:
@@ -275,9 +265,15 @@ class PolicyTrainer:
             metrics["train/rollout_logprob_abs_diff"] = float(
                 ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
             )
+            metrics |= mismatch_metrics(
+                old, rows.rollout_logprobs, mask, cfg.algo, group=self._dp_group(), device=device
+            )
+            # the normaliser counts only the tokens MIS keeps (as verl's response_mask)
+            kept = rollout_correction(old, rows.rollout_logprobs, mask, cfg.algo).mask
         else:
             adv = torch.zeros_like(rows.response_mask)
             old = torch.zeros_like(rows.response_mask)
+            kept = rows.response_mask
         fields = {
             "tokens": rows.tokens,
             "mask": rows.response_mask,
@@ -287,11 +283,12 @@ class PolicyTrainer:
         }
         if ref is not None:
             fields["ref"] = ref
-        total_tokens = self._global_sum(rows.response_mask.sum())
+        total_tokens = self._global_sum(kept.sum())
         if local:
-            total_seqs = self._global_sum((rows.response_mask.sum(1) > 0).sum())
-        else:
-            total_seqs = float(len(batch))
+            total_seqs = self._global_sum((kept.sum(1) > 0).sum())
+        else:  # less the sequences MIS dropped whole
+            dropped = (rows.response_mask.sum(1) > 0) & (kept.sum(1) == 0)
+            total_seqs = float(len(batch)) - self._global_sum(dropped.sum())
         scale = self.dp  # DDP averages gradients over data-parallel ranks: undo it
 
         def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202

@@ -1,0 +1,208 @@
+"""The GRPO driver's step phases, one call each, as titan_rl/grpo.py's loop runs them:
+
+    rollout -> (colocated: engines release) train -> (resume) sync -> eval -> record -> save
+
+The driver holds what lives across steps: the prefetched rollout (async), the step timer,
+the profiled steps, and the progress a stop signal saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from titan_rl.config import GRPOConfig
+from titan_rl.step_log import status_line, step_record
+from titan_rl.step_timer import StepTimer
+
+if TYPE_CHECKING:
+    from titan_core.signals import StopSignals
+    from titan_core.training.metrics import MetricsWriter
+    from titan_rl.actors.engine_actor import RolloutEngineGroup
+    from titan_rl.colocation import Colocation
+    from titan_rl.rollout.engine_api import EngineClient
+    from titan_rl.rollout.generate import RolloutResult
+    from titan_rl.rollouts import Rollouts
+    from titan_rl.trainer.group import TrainerGroup
+
+
+@dataclass
+class Progress:
+    """Where the run stands: what a stop signal saves and reports (titan_rl/stopping.py)."""
+
+    start: int  #: the step the run resumed at (0: a fresh start)
+    completed: int  #: the last step whose policy update finished
+    sampler: dict[str, int]  #: the prompt sampler's state after ``completed``
+    saved: int | None  #: the newest checkpoint's step
+
+
+class Driver:
+    """A GRPO run's steps over a trainer group and the engines (through ``client``)."""
+
+    def __init__(
+        self,
+        cfg: GRPOConfig,
+        rollouts: Rollouts,
+        trainers: TrainerGroup,
+        engines: RolloutEngineGroup,
+        client: EngineClient,
+        colocation: Colocation,
+        writer: MetricsWriter,
+        aio: asyncio.AbstractEventLoop,
+        stop: StopSignals,
+        resumed_at: int | None,
+    ) -> None:
+        if rollouts.recovery is None:
+            raise RuntimeError("Rollouts.recovery is set once the engines run")
+        self.cfg = cfg
+        self.rollouts = rollouts
+        self.recovery = rollouts.recovery
+        self.trainers = trainers
+        self.engines = engines
+        self.client = client
+        self.colocation = colocation
+        self.writer = writer
+        self.aio = aio
+        self.stop = stop
+        self.timer = StepTimer()
+        start = resumed_at or 0
+        self.progress = Progress(start, start, rollouts.sampler.state(), resumed_at)
+        self._pending: RolloutResult | None = None  # the next step's, drawn while training
+        self._first: dict[str, Any] = dict(rollouts.data_stats)  # goes with the first record
+        steps = cfg.profile.steps
+        self._profiled = set(range(min(steps, default=0), max(steps, default=-1) + 1))
+
+    @property
+    def steps(self) -> range:
+        """The steps this run has left."""
+        return range(self.progress.start + 1, self.cfg.run.num_steps + 1)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop signal came: no step starts any more."""
+        return self.stop.requested is not None
+
+    def _until_stopped(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        from titan_rl.stopping import until_stopped
+
+        return until_stopped(self.aio, coro, self.stop)
+
+    def _take_first(self) -> dict[str, Any]:
+        first, self._first = self._first, {}
+        return first
+
+    @contextmanager
+    def _marked(self, phase: str, on: bool) -> Iterator[None]:
+        """A ``titan/rl/<phase>`` range in the trainers' traces (profiled steps)."""
+        if on:
+            self.trainers.mark(phase, True)
+        yield
+        if on:
+            self.trainers.mark(phase, False)
+
+    def evaluate_base(self) -> None:
+        """A fresh run's held-out accuracy before any update: the record of step 0."""
+        if self.progress.start != 0:
+            return
+        acc = self._until_stopped(self.rollouts.evaluate(self.client))
+        if acc is not None:
+            self.writer.write({"step": 0, "eval/accuracy": acc, **self._take_first()})
+            print(f"step    0 | eval acc {acc:.3f} (before RL)", flush=True)
+
+    def begin_step(self, step: int) -> None:
+        if step in self._profiled:
+            self.trainers.begin_step(step)
+        self.timer.start()
+
+    def rollout(self, step: int) -> RolloutResult | None:
+        """The step's samples (async: those drawn while the previous step trained); None
+        when a stop signal came, which abandons the step before its policy update."""
+        with self.timer.phase("rollout"):
+            result, self._pending = self._pending, None
+            if result is None:
+                mark = step in self._profiled and not self.cfg.rollout.async_rollout
+                with self._marked("rollout", mark):
+                    result = self._until_stopped(self.rollouts.rollout(self.client, step))
+        return None if self.stopped else result
+
+    def train(self, step: int, result: RolloutResult) -> dict[str, float]:
+        """The policy update on the step's samples. Async rollout: the next step's rollout
+        runs meanwhile on the current weights (one step off-policy; importance ratios
+        against the rollout logprobs correct for it)."""
+        from titan_rl.trainer.batch import pack_samples
+
+        with self.timer.phase("train"):
+            batch = pack_samples(result.samples, self.rollouts.tok.eod)
+            sampler = self.rollouts.sampler
+            if self.cfg.rollout.async_rollout and step < self.cfg.run.num_steps:
+                update = self.trainers.train_async(batch, step)
+                self.recovery.on_train_queued(str(step))  # what a resync would now send
+                after = sampler.state()  # a resume redraws what the prefetch draws
+                self._pending = self._until_stopped(self.rollouts.rollout(self.client, step + 1))
+                metrics = update.result()
+            else:
+                metrics = self.trainers.train(batch, step)
+                after = sampler.state()
+        self.progress.completed, self.progress.sampler = step, after
+        return metrics
+
+    def sync(self, step: int) -> dict[str, float]:
+        """The new weights to every engine (their version: the step)."""
+        with self.timer.phase("sync"):
+            metrics = self.trainers.sync_weights(step)
+            self.recovery.on_sync(str(step))
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """``eval/accuracy`` every ``run.eval_interval`` steps and at the last one."""
+        with self.timer.phase("eval"):
+            if step % self.cfg.run.eval_interval and step != self.cfg.run.num_steps:
+                return {}
+            acc = self._until_stopped(self.rollouts.evaluate(self.client))
+        return {} if acc is None else {"eval/accuracy": acc}
+
+    def record(self, step: int, result: RolloutResult, measured: dict[str, float]) -> None:
+        """Close the step: its times, the engines' health, its record and status line."""
+        rec = step_record(step, result, {**measured, **self.timer.stop()})
+        rec.update(self.aio.run_until_complete(self.recovery.report()))
+        rec["engines/restarts"] = self.engines.restarts()
+        if step in self._profiled:
+            self.trainers.end_step(step)
+        self.writer.write({**rec, **self._take_first()})
+        if step % self.cfg.run.log_interval == 0 or "eval/accuracy" in rec:
+            print(status_line(rec, self.cfg.run.num_steps), flush=True)
+
+    def save(self, step: int) -> None:
+        """A checkpoint every ``run.save_interval`` steps and at the last one."""
+        every = self.cfg.run.save_interval
+        if (every and step % every == 0) or step == self.cfg.run.num_steps:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        self.trainers.save(step, {"sampler": self.progress.sampler})
+        self.progress.saved = step
+
+    def finish(self) -> int:
+        """0 once every step ran (the reward plot written); after a stop signal, 128 + signum,
+        the last completed step saved (``run.save_on_signal``) and the line saying so."""
+        from titan_core.training.metrics import read_metrics
+        from titan_rl.plot import plot_rewards
+        from titan_rl.stopping import stopped_line
+
+        p, run = self.progress, self.cfg.run
+        run_dir = self.rollouts.run_dir
+        if self.stop.requested is not None and p.completed < run.num_steps:
+            if run.save_on_signal and p.completed > p.start and p.saved != p.completed:
+                self._save(p.completed)
+            line = stopped_line(
+                self.stop.requested, p.completed, p.start, p.saved, run_dir / "checkpoints",
+                run.save_on_signal,
+            )  # fmt: skip
+            print(line, flush=True)
+            return self.stop.exit_code
+        plot_rewards(read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png")
+        print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}")
+        return 0

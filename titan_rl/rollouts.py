@@ -1,0 +1,103 @@
+"""The driver's rollout side: the task's prompts, the tokenizer, the reward, and the
+rollouts and evals it sends to the engines (through the router's client)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from titan_rl.config import GRPOConfig
+
+if TYPE_CHECKING:
+    from titan_rl.actors.recovery import EngineRecovery
+    from titan_rl.data import PromptSet
+    from titan_rl.rollout.engine_api import EngineClient
+    from titan_rl.rollout.generate import RolloutResult, VersionCheck
+
+
+def _skipped_note(ps: PromptSet, key: str, cfg: GRPOConfig) -> None:
+    if ps.skipped:
+        print(
+            f"data: skipped {ps.skipped} rows of {key} {ps.source} without both "
+            f"{cfg.data.prompt_key!r} and {cfg.data.label_key!r}",
+            flush=True,
+        )
+
+
+class Rollouts:
+    """Prompts drawn by a resumable sampler, answered by the engines and scored.
+
+    A dataset that cannot be used raises DatasetError here, before anything starts.
+    """
+
+    def __init__(self, cfg: GRPOConfig) -> None:
+        from titan_core.data.tokenizer import build_tokenizer
+        from titan_rl.data import PromptSampler, load_prompts, stop_token_ids
+        from titan_rl.rollout.rewarding import SampleRewarder
+
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.tok = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
+        train = load_prompts(cfg.data, cfg.run.seed, "train")
+        held_out = load_prompts(cfg.data, cfg.run.seed, "eval")
+        self.eval_prompts = held_out.prompts
+        #: written with the first record of the run
+        self.data_stats = {"data/skipped_rows": train.skipped}
+        _skipped_note(train, "data.path", cfg)
+        if cfg.data.eval_path:
+            self.data_stats["data/eval_skipped_rows"] = held_out.skipped
+            _skipped_note(held_out, "data.eval_path", cfg)
+        self.sampler = PromptSampler(train.prompts, cfg.run.seed)
+        #: where a response ends: end of text and the task's own stop texts
+        self.stop_ids = stop_token_ids(self.tok, train.stop, f"data.type={cfg.data.type}")
+        #: scores samples in place off the event loop, each call under reward.timeout_s
+        self.reward = SampleRewarder(cfg.reward)
+        #: gives restarted engines the current weights (set once the engines run)
+        self.recovery: EngineRecovery | None = None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode([i for i in ids if i not in self.stop_ids])
+
+    def versions(self) -> VersionCheck | None:
+        """The weight versions a rollout accepts now (see titan_rl/actors/recovery.py)."""
+        from titan_rl.rollout.generate import VersionCheck
+
+        rec = self.recovery
+        if rec is None:
+            return None
+        return VersionCheck(rec.accepted, self.cfg.rollout.on_stale_version, rec.ensure_serving)
+
+    async def _watched(self, work: Any) -> Any:
+        return await (work if self.recovery is None else self.recovery.guard(work))
+
+    async def rollout(self, client: EngineClient, step: int) -> RolloutResult:
+        """``rollout.prompts_per_step`` groups that passed the dynamic filter."""
+        from titan_rl.rollout.generate import generate_groups
+
+        r = self.cfg.rollout
+        n_prompts = int(r.prompts_per_step * r.over_sample_factor)
+        prompts = self.sampler.take(n_prompts)
+        result = await self._watched(generate_groups(
+            client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
+            want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
+            versions=self.versions(),
+        ))  # fmt: skip
+        if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
+            raise RuntimeError(
+                f"step {step}: only {len(result.samples) // r.n_samples_per_prompt} groups passed "
+                "the dynamic filter; raise rollout.over_sample_factor"
+            )
+        return result
+
+    async def evaluate(self, client: EngineClient) -> float:
+        """Greedy accuracy on the held-out prompts."""
+        from titan_rl.rollout.generate import evaluate
+
+        return await self._watched(evaluate(
+            client, self.eval_prompts, self.encode, self.decode,
+            self.cfg.rollout.max_response_len, self.stop_ids, self.reward, self.versions(),
+        ))  # fmt: skip

@@ -1,0 +1,71 @@
+"""What a GRPO step leaves behind: its record in ``metrics.jsonl`` and its status line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from titan_core.training.metrics import MetricsWriter
+    from titan_rl.rollout.generate import RolloutResult
+
+
+def step_record(step: int, result: RolloutResult, measured: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics from its rollout (and the trainer's, the sync's and the timer's
+    ``measured``)."""
+    samples = result.samples
+    n = len(samples)
+    return {
+        "step": step,
+        "reward/mean": sum(s.reward for s in samples) / n,
+        "rollout/accuracy": sum(bool(s.correct) for s in samples) / n,
+        "response/length_mean": sum(s.response_length for s in samples) / n,
+        "response/truncated_frac": result.truncated / n,
+        "rollout/groups_generated": result.groups_generated,
+        "rollout/groups_filtered": result.groups_filtered,
+        "reward/timeouts": result.reward_timeouts,
+        "reward/invalid": result.reward_invalid,
+        "rollout/stale_samples": result.stale_samples,
+        "rollout/weight_version": ",".join(sorted({s.weight_version for s in samples})),
+        "data/prompt_hash": result.prompt_hash,
+        **measured,
+    }
+
+
+def status_line(rec: dict[str, Any], total: int) -> str:
+    """The step's line on stdout."""
+    parts = [
+        f"step {rec['step']:>4}/{total}",
+        f"reward {rec['reward/mean']:.3f}",
+        f"rollout acc {rec['rollout/accuracy']:.3f}",
+        f"len {rec['response/length_mean']:.1f}",
+    ]
+    if "eval/accuracy" in rec:
+        parts.append(f"eval acc {rec['eval/accuracy']:.3f}")
+    if rec.get("reward/timeouts") or rec.get("reward/invalid"):
+        parts.append(f"reward timeouts {rec['reward/timeouts']} / invalid {rec['reward/invalid']}")
+    if rec.get("engines/resyncs") or rec.get("rollout/stale_samples"):
+        parts.append(
+            f"engines restarted {rec['engines/restarts']} / resynced {rec['engines/resyncs']:.0f}"
+            f" / stale samples {rec['rollout/stale_samples']}"
+        )
+    parts.append(
+        f"time {rec['time/step']:.2f}s (rollout {rec['time/rollout']:.2f} / "
+        f"train {rec['time/train']:.2f} / sync {rec['time/sync']:.2f})"
+    )
+    return " | ".join(parts)
+
+
+def open_metrics(path: Path, resumed_step: int) -> MetricsWriter:
+    """metrics.jsonl without the records past ``resumed_step`` (-1: a fresh start): a run
+    killed after its last checkpoint repeats those steps, which are then recorded once."""
+    from titan_core.training.metrics import MetricsWriter, drop_records_after
+
+    dropped = drop_records_after(path, resumed_step)
+    if dropped:
+        print(
+            f"{path}: dropped {dropped} records past step {max(resumed_step, 0)}, "
+            "where this run starts",
+            flush=True,
+        )
+    return MetricsWriter(path)
