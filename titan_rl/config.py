@@ -219,6 +219,11 @@ class GRPOConfig(Section):
                 f"algo.advantage_estimator={self.algo.advantage_estimator} compares samples of "
                 "a prompt: set rollout.n_samples_per_prompt >= 2"
             )
+        if self.engines.num_engines > 1 and not self.engines.router:
+            raise ValueError(
+                f"engines.num_engines={self.engines.num_engines} needs engines.router=true: the "
+                "rollout sends every request to one URL, the router's, which spreads them"
+            )
         if self.algo.entropy_coef and self.parallel.tensor_model_parallel_size > 1:
             raise ValueError(
                 "algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1 (the entropy "

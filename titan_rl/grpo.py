@@ -52,11 +52,6 @@ def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
             "sync.resume_kv_cache=true is for colocated engines (their KV cache is released "
             "while training); set engines.colocate=true or leave sync.resume_kv_cache unset"
         )
-    if cfg.engines.num_engines > 1 and not cfg.engines.router:
-        raise ConfigError(
-            f"engines.num_engines={cfg.engines.num_engines} needs engines.router=true: the "
-            "rollout sends every request to one URL, the router's, which spreads them"
-        )
     algo, sync = cfg.algo, cfg.sync
     if algo.use_tis is None:  # one-step off-policy samples need the importance correction
         algo = algo.model_copy(update={"use_tis": cfg.rollout.async_rollout})

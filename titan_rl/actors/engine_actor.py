@@ -81,8 +81,6 @@ class RolloutEngineGroup:
             raise ValueError("an engine group needs at least one engine")
         self.engines = list(engines)
         self.router_cfg = router if router is not None and router.enabled else None
-        if len(self.engines) > 1 and self.router_cfg is None:
-            raise ValueError(f"{len(self.engines)} engines need a router (one URL for clients)")
         self.actors: list[Any] = []
         self.urls: list[str] = []
         self.router: RouterProcess | None = None

@@ -23,7 +23,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint import latest_iteration, load_checkpoint
 from titan_core.checkpoint.dist import unwrap
-from titan_core.config.loader import ConfigError
 from titan_core.data.tokenizer import build_tokenizer
 from titan_core.models.gpt import build_model_chunks
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
@@ -68,8 +67,6 @@ class PolicyTrainer:
         self.accel, self.env, self.dp = initialize(self.pcfg)
         self.rank = dist.get_rank()
         self.tokenizer = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
-        if cfg.algo.entropy_coef and cfg.parallel.tensor_model_parallel_size > 1:
-            raise ConfigError("algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1")
         source = None
         if cfg.policy.format == "hf":
             self.hf_config = read_hf_config(cfg.policy.load)
