@@ -65,6 +65,11 @@ class RolloutConfig(Section):
     #: refuses it and sends the request again once the engines serve the current weights;
     #: "keep" keeps it (off-policy). Both count it in ``rollout/stale_samples``.
     on_stale_version: Literal["resend", "keep"] = "resend"
+    #: ask the engines for the experts each token was routed to in every MoE layer (SGLang's
+    #: ``return_routed_experts``; SGLang engines are launched with
+    #: ``--enable-return-routed-experts``); each sample carries them in
+    #: ``rollout_routed_experts``. MoE models only (a dense model's engine refuses it).
+    return_routed_experts: bool = False
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
@@ -93,6 +98,10 @@ class EnginesConfig(Section):
     router: bool = False
     #: built-in engine: torch threads per engine (None: torch's default).
     num_threads: PositiveInt | None = 1
+    #: the engines' weights and compute (``--dtype``); "auto": the checkpoint's (fp32, as the
+    #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
+    #: trainer's, as GPU engines do.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     #: the engines (and router) require ``Authorization: Bearer <api_key>``; None: open.
     api_key: str | None = None
     #: how long requests to engines that do not answer (connection refused or reset, 5xx)

@@ -188,7 +188,8 @@ def engine_launch(cfg: GRPOConfig, backend: str, accelerator: str) -> EngineLaun
         model_path=str(run_dir / "hf_start"), backend=backend, device=accelerator,
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
         enable_memory_saver=e.colocate, api_key=e.api_key, skip_tokenizer_init=True,
-        num_threads=e.num_threads, log_dir=str(run_dir / "logs"),
+        num_threads=e.num_threads, log_dir=str(run_dir / "logs"), dtype=e.dtype,
+        enable_return_routed_experts=cfg.rollout.return_routed_experts,
     )  # fmt: skip
 
 

@@ -84,7 +84,7 @@ class Rollouts:
         result = await self._watched(generate_groups(
             client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
             want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
-            versions=self.versions(),
+            versions=self.versions(), num_layers=self.cfg.model.num_layers,
         ))  # fmt: skip
         if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
             raise RuntimeError(

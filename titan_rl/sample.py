@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(StrEnum):
@@ -35,6 +38,9 @@ class Sample:
     #: the rollout refuses or counts one the policy does not expect (rollout.on_stale_version)
     weight_version: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: the experts the engine routed each token to, int32 ``[len(tokens) - 1, num_layers,
+    #: top_k]`` (the last token is never fed); None unless ``rollout.return_routed_experts``
+    rollout_routed_experts: torch.Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -74,6 +74,11 @@ class EngineServerConfig(Section):
     context_length: int | None = Field(None, ge=1)
     #: built-in engine only: torch threads (None: torch's default).
     num_threads: int | None = Field(None, ge=1)
+    #: weights and compute dtype (``--dtype``, both backends); "auto": the checkpoint's.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: SGLang's ``--enable-return-routed-experts`` (requests may ask for routed experts;
+    #: the built-in engine serves them on MoE models without it).
+    enable_return_routed_experts: bool = False
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(900.0, gt=0)

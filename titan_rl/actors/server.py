@@ -34,6 +34,8 @@ def build_command(launch: EngineLaunch, port: int) -> list[str]:
         common += ["--context-length", str(launch.context_length)]
     if launch.skip_tokenizer_init:
         common += ["--skip-tokenizer-init"]
+    if launch.dtype != "auto":
+        common += ["--dtype", launch.dtype]
     if launch.backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", *common]
         cmd += ["--tp-size", str(launch.tp_size), "--base-gpu-id", str(launch.base_gpu_id)]
@@ -42,6 +44,8 @@ def build_command(launch: EngineLaunch, port: int) -> list[str]:
             cmd += ["--mem-fraction-static", str(launch.mem_fraction_static)]
         if launch.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+        if launch.enable_return_routed_experts:
+            cmd += ["--enable-return-routed-experts"]
     else:
         cmd = [sys.executable, "-m", "titan_rl.engine", *common]
         if launch.num_threads:

@@ -27,7 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (as SGLang)"
     )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and compute (weight updates are cast to it); auto: the checkpoint's",
+    )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="accepted for SGLang's command line: the engine always serves return_routed_experts "
+        "on MoE models",
+    )
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from titan_core.models.hf.families import FAMILIES
+from titan_rl.engine.routing import RoutingRecorder, encode_routed_experts
 from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
 from titan_rl.engine.weights import checkpoint_tensors
 
@@ -67,6 +68,9 @@ class Sequence:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
+    #: SGLang's R3 fields: report the experts of tokens [routed_experts_start_len, seqlen - 1)
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     on_done: Callable[[Sequence], None] | None = None
     #: streaming: called on the engine thread after each token of an unfinished sequence
     on_token: Callable[[Sequence], None] | None = None
@@ -75,6 +79,8 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[list[Any]]] = field(default_factory=list)
     input_logprobs: list[list[Any]] | None = None
+    #: routed experts of the tokens fed so far, one [tokens, layers, top_k] block per forward
+    routed: list[torch.Tensor] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
     error: str | None = None
     created: float = field(default_factory=time.perf_counter)
@@ -148,6 +154,8 @@ class Engine:
         self.model.eval()
         self.model.requires_grad_(False)
         self.config = self.model.config
+        #: the experts each token is routed to, recorded for requests that ask for them
+        self.routing = RoutingRecorder(self.model)
         self.model_path = str(path)
         self.vocab_size = int(self.config.vocab_size)
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
@@ -445,8 +453,12 @@ class Engine:
         ids = torch.tensor([s.prompt for s in seqs], dtype=torch.long)
         want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
         cache = self._new_cache()
-        out = self.model(
-            input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if any(want_input) else 1
+        out = self._forward(
+            seqs,
+            input_ids=ids,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=0 if any(want_input) else 1,
         )
         logits = out.logits
         for j, s in enumerate(seqs):
@@ -471,6 +483,20 @@ class Engine:
         mask = torch.ones(len(keep), length, dtype=torch.long)
         pos = torch.full((len(keep),), length, dtype=torch.long)
         self._merge([seqs[j] for j in keep], kv, mask, pos)
+
+    def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, **kw: Any) -> Any:
+        """One model forward; the rows of ``seqs`` that asked for routed experts get theirs."""
+        if not any(s.return_routed_experts for s in seqs):
+            return self.model(input_ids=input_ids, **kw)
+        self.routing.start()
+        try:
+            out = self.model(input_ids=input_ids, **kw)
+        finally:
+            routed = self.routing.stop(*input_ids.shape)
+        for s, rows in zip(seqs, routed, strict=True):
+            if s.return_routed_experts:
+                s.routed.append(rows.clone())  # not a view keeping the batch's alive
+        return out
 
     def _input_logprobs(self, s: Sequence, logits: torch.Tensor) -> list[list[Any]]:
         temp = s.params.temperature if s.params.temperature >= GREEDY_EPS else 1.0
@@ -515,7 +541,8 @@ class Engine:
         bsz = len(self.active)
         ids = torch.tensor([[s.output_ids[-1]] for s in self.active], dtype=torch.long)
         mask = torch.cat([self._mask, torch.ones(bsz, 1, dtype=torch.long)], dim=1)
-        out = self.model(
+        out = self._forward(
+            self.active,
             input_ids=ids,
             attention_mask=mask,
             position_ids=self._pos.unsqueeze(1),
@@ -748,10 +775,27 @@ def sequence_result(s: Sequence) -> dict[str, Any]:
         meta["input_token_logprobs"] = s.input_logprobs or []
         if s.top_logprobs_num > 0:
             meta["output_top_logprobs"] = s.output_top
+    if s.return_routed_experts and s.finish_reason is not None:
+        routed = routed_experts(s)
+        if routed is not None:
+            meta["routed_experts"] = encode_routed_experts(routed)
     out: dict[str, Any] = {"output_ids": list(s.output_ids), "meta_info": meta}
     if s.text is not None:
         out["text"] = s.text
     return out
 
 
-__all__ = ["Engine", "QueueFullError", "Sequence", "sequence_result"]
+def routed_experts(s: Sequence) -> torch.Tensor | None:
+    """The experts of tokens ``[routed_experts_start_len, seqlen - 1)`` as ``[tokens, layers,
+    top_k]`` int32 (the last sampled token is never fed); None if the prompt never ran (a
+    request aborted while queued)."""
+    end = len(s.prompt) + len(s.output_ids) - 1
+    if not s.routed:
+        return None
+    rows = torch.cat(s.routed) if len(s.routed) > 1 else s.routed[0]
+    if rows.shape[0] < end:
+        return None
+    return rows[s.routed_experts_start_len : end]
+
+
+__all__ = ["Engine", "QueueFullError", "Sequence", "routed_experts", "sequence_result"]

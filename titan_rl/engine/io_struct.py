@@ -73,6 +73,14 @@ class GenerateReqInput(RequestModel):
         PerPrompt[Annotated[int, Field(ge=0)]],
         on_error("must be an integer >= 0 or a list of one per prompt"),
     ] = 0
+    #: R3: each token's experts in every MoE layer, in ``meta_info["routed_experts"]`` (base64
+    #: int32 ``[tokens, num_layers, top_k]``); a dense model answers 400
+    return_routed_experts: Annotated[bool, on_error("must be true or false")] = False
+    #: the first token whose experts are returned: the answer covers tokens
+    #: ``[routed_experts_start_len, seqlen - 1)``; at most the prompt's length
+    routed_experts_start_len: Annotated[
+        Annotated[int, Field(ge=0)], on_error("must be an integer >= 0")
+    ] = 0
     # SGLang's fields the built-in engine does not serve: rejected when given
     input_embeds: Any = None
     token_ids_logprob: Any = None

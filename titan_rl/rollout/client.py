@@ -55,8 +55,9 @@ class WeightUpdateError(SGLangError):
     """A weight update answered ``success: false``."""
 
 
-def _output(obj: Any) -> GenerateOutput:
-    """One completion of SGLang's ``/generate`` answer."""
+def _output(obj: Any, routed_experts_start_len: int = 0) -> GenerateOutput:
+    """One completion of SGLang's ``/generate`` answer (``routed_experts_start_len``: as
+    sent, the first token of ``meta_info["routed_experts"]``)."""
     if not isinstance(obj, dict) or "meta_info" not in obj:
         raise SGLangError(f"unexpected /generate response: {str(obj)[:200]}")
     meta = obj["meta_info"]
@@ -76,6 +77,7 @@ def _output(obj: Any) -> GenerateOutput:
         text=obj.get("text"),
         input_logprobs=None if inputs is None else [t[0] for t in inputs],
         meta_info=meta,
+        routed_experts_start_len=routed_experts_start_len,
     )
 
 
@@ -265,9 +267,10 @@ class SGLangClient:
             **extra,
         }
         data = await self.generate_raw(payload)
+        start = int(payload.get("routed_experts_start_len") or 0)
         if isinstance(data, list):
-            return [_output(d) for d in data]
-        return _output(data)
+            return [_output(d, start) for d in data]
+        return _output(data, start)
 
     async def generate_stream(
         self,
@@ -309,7 +312,7 @@ class SGLangClient:
                 obj = json.loads(data)
                 if "error" in obj:
                     raise SGLangError(f"/generate stream: {obj['error']}")
-                yield _output(obj)
+                yield _output(obj, int(payload.get("routed_experts_start_len") or 0))
 
     async def generate_batch(
         self,
@@ -330,7 +333,8 @@ class SGLangClient:
         data = await self.generate_raw(payload)
         if not isinstance(data, list):
             data = [data]
-        return [_output(d) for d in data]
+        start = int(payload.get("routed_experts_start_len") or 0)
+        return [_output(d, start) for d in data]
 
     # ---- flow control -------------------------------------------------------------------------
     async def flush_cache(self) -> bool:

@@ -14,10 +14,13 @@ else the engine refuses.
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
 
 
 class EngineError(RuntimeError):
@@ -87,6 +90,31 @@ class GenerateOutput:
     input_logprobs: list[float | None] | None = None
     #: the backend's own answer metadata, as it sent it
     meta_info: dict[str, Any] = field(default_factory=dict)
+    #: the ``routed_experts_start_len`` the request was sent with (the first token whose
+    #: experts ``meta_info["routed_experts"]`` holds)
+    routed_experts_start_len: int = 0
+
+    def routed_experts(self, num_layers: int) -> np.ndarray | None:
+        """The experts each token was routed to, ``[tokens, num_layers, top_k]`` int32, from
+        SGLang's ``meta_info["routed_experts"]`` (base64 int32, C order); tokens are
+        ``[routed_experts_start_len, prompt_tokens + completion_tokens - 1)`` (the last
+        sampled token is never fed). None when the answer holds none; EngineError when its
+        size does not fit that many tokens and ``num_layers``."""
+        data = self.meta_info.get("routed_experts")
+        if data is None:
+            return None
+        rows = max(
+            self.prompt_tokens + self.completion_tokens - 1 - self.routed_experts_start_len, 0
+        )
+        flat = np.frombuffer(base64.b64decode(data), dtype="<i4").astype(np.int32)
+        if rows == 0 and flat.size == 0:
+            return flat.reshape(0, num_layers, 0)
+        if rows == 0 or flat.size % (rows * num_layers):
+            raise EngineError(
+                f"routed_experts holds {flat.size} values, which is not {rows} tokens x "
+                f"{num_layers} layers x top_k; check the model's layer count"
+            )
+        return flat.reshape(rows, num_layers, -1)
 
     @property
     def finish_type(self) -> str:

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
+
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rewards.errors import RewardError
@@ -125,7 +127,30 @@ def _fill_dropped(group: list[Sample]) -> None:
             s.reward = fill
 
 
-def _sample_from(prompt: Prompt, tokens: list[int], out: GenerateOutput, g: int, i: int) -> Sample:
+def _routed_experts(out: GenerateOutput, num_layers: int | None) -> torch.Tensor | None:
+    """The answer's routed experts ``[tokens, num_layers, top_k]`` (None when not asked, or
+    for a request aborted before it ran)."""
+    if num_layers is None:
+        return None
+    routed = out.routed_experts(num_layers)
+    if routed is None and out.aborted:  # aborted while queued: the prompt never ran
+        return None
+    if routed is None:
+        raise EngineError(
+            "rollout.return_routed_experts is on but the engine answered no routed_experts; "
+            "serve an MoE model (SGLang: launched with --enable-return-routed-experts)"
+        )
+    return torch.from_numpy(routed)
+
+
+def _sample_from(
+    prompt: Prompt,
+    tokens: list[int],
+    out: GenerateOutput,
+    g: int,
+    i: int,
+    routing_layers: int | None = None,
+) -> Sample:
     status = {
         "length": Status.TRUNCATED,
         "abort": Status.ABORTED,
@@ -141,6 +166,7 @@ def _sample_from(prompt: Prompt, tokens: list[int], out: GenerateOutput, g: int,
         status=status,
         weight_version=out.weight_version or "",
         metadata=dict(prompt.metadata),
+        rollout_routed_experts=_routed_experts(out, routing_layers),
     )
 
 
@@ -155,13 +181,20 @@ async def generate_groups(
     want_groups: int,
     seed: int,
     versions: VersionCheck | None = None,
+    num_layers: int | None = None,
 ) -> RolloutResult:
     """Generate groups for ``prompts``; keep the first ``want_groups`` that pass the filter.
 
     With over-sampling, groups still running once enough have passed are aborted. A
     RewardError (an invalid reward under reward.on_invalid=error) fails the rollout even
     when enough other groups passed. ``versions``: see :class:`VersionCheck`.
+    ``num_layers``: the model's layers, to shape the routed experts that
+    ``cfg.return_routed_experts`` asks for (required then).
     """
+    if cfg.return_routed_experts and num_layers is None:
+        raise ValueError("rollout.return_routed_experts needs the model's num_layers")
+    routing_layers = num_layers if cfg.return_routed_experts else None
+    routing = {"return_routed_experts": True} if cfg.return_routed_experts else {}
     params = {
         "max_new_tokens": cfg.max_response_len,
         "temperature": cfg.temperature,
@@ -179,9 +212,9 @@ async def generate_groups(
         tokens = encode(prompt.text)
         outs = await _generate_checked(
             client, tokens, {**params, "sampling_seed": seed * 1_000_003 + g}, versions, stats,
-            return_logprob=True,
+            return_logprob=True, **routing,
         )  # fmt: skip
-        group = [_sample_from(prompt, tokens, o, g, i) for i, o in enumerate(outs)]
+        group = [_sample_from(prompt, tokens, o, g, i, routing_layers) for i, o in enumerate(outs)]
         for s in group:
             s.response = decode(s.response_tokens)
         counts.add(await reward_fn(group))

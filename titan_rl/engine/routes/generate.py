@@ -40,6 +40,16 @@ def prompt_ids(engine: Engine, req: GenerateReqInput) -> list[list[int]]:
     return [engine.tokenizer.encode(t) for t in req.prompts]
 
 
+def check_routed_experts(engine: Engine, req: GenerateReqInput) -> None:
+    """Routed experts exist only where tokens are routed: a dense model is a 400."""
+    if req.return_routed_experts and not engine.routing.is_moe:
+        raise RequestError(
+            f"return_routed_experts: the served model ({engine.config.model_type}) has no MoE "
+            "layers, so its tokens are routed to no experts; send return_routed_experts: false "
+            "(or serve an MoE model)"
+        )
+
+
 def build_sequences(engine: Engine, req: GenerateReqInput) -> list[Sequence]:
     """One sequence per prompt and copy (``n``), prompt-major; copy ``j`` of rid ``r`` is
     ``r_j`` and samples with ``sampling_seed + j``."""
@@ -53,10 +63,17 @@ def build_sequences(engine: Engine, req: GenerateReqInput) -> list[Sequence]:
         req.per_prompt("top_logprobs_num"),
         strict=True,
     )
+    check_routed_experts(engine, req)
     for prompt, params, rid, return_logprob, start_len, top_num in per_prompt:
         if start_len >= len(prompt):
             raise RequestError(
                 f"logprob_start_len {start_len} is past the prompt ({len(prompt)} tokens)"
+            )
+        routed_start = req.routed_experts_start_len
+        if req.return_routed_experts and routed_start > len(prompt):
+            raise RequestError(
+                f"routed_experts_start_len {routed_start} is higher than the number of input "
+                f"tokens ({len(prompt)}); give at most the prompt's length"
             )
         for j in range(params.n):
             seqs.append(
@@ -68,6 +85,8 @@ def build_sequences(engine: Engine, req: GenerateReqInput) -> list[Sequence]:
                     return_logprob=return_logprob,
                     logprob_start_len=start_len,
                     top_logprobs_num=top_num,
+                    return_routed_experts=req.return_routed_experts,
+                    routed_experts_start_len=req.routed_experts_start_len,
                 )
             )
     return seqs
