@@ -40,7 +40,8 @@ def ensure_base_checkpoint(cfg: GRPOConfig) -> None:
 
 def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
     """Reject mode combinations the loop cannot run and fill the defaults that depend on
-    other keys (``algo.use_tis``, ``sync.resume_kv_cache``); idempotent."""
+    other keys (``algo.use_tis``, ``sync.resume_kv_cache``, ``rollout.return_routed_experts``
+    under ``algo.routing_replay``); idempotent."""
     if cfg.rollout.async_rollout and cfg.engines.colocate:
         raise ConfigError(
             "rollout.async=true cannot run with engines.colocate=true: async rollout generates "
@@ -57,7 +58,10 @@ def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
         algo = algo.model_copy(update={"use_tis": cfg.rollout.async_rollout})
     if sync.resume_kv_cache is None:
         sync = sync.model_copy(update={"resume_kv_cache": cfg.engines.colocate})
-    return cfg.model_copy(update={"algo": algo, "sync": sync})
+    rollout = cfg.rollout
+    if algo.routing_replay and not rollout.return_routed_experts:  # replay needs them
+        rollout = rollout.model_copy(update={"return_routed_experts": True})
+    return cfg.model_copy(update={"algo": algo, "sync": sync, "rollout": rollout})
 
 
 def run(cfg: GRPOConfig) -> int:

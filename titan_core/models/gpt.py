@@ -59,7 +59,11 @@ def padded_vocab_size(vocab_size: int, cfg: PretrainConfig, saved_rows: int | No
     return saved_rows
 
 
-def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> TransformerConfig:
+def build_transformer_config(
+    cfg: PretrainConfig, accel: Accelerator, routing_replay: bool = False
+) -> TransformerConfig:
+    """``routing_replay``: MoE routers get megatron-core's ``RouterReplay`` (RL's
+    ``algo.routing_replay``: the trainer replays the rollout engine's routing)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     te = use_transformer_engine(cfg, accel)
     if t.fp8 and not te:
@@ -135,6 +139,8 @@ def build_transformer_config(cfg: PretrainConfig, accel: Accelerator) -> Transfo
         )
         if m.moe_token_dispatcher_type == "flex":
             kwargs["moe_flex_dispatcher_backend"] = m.moe_flex_dispatcher_backend
+        if routing_replay:
+            kwargs["moe_enable_routing_replay"] = True
     if t.fp8:
         kwargs.update(fp8=t.fp8, fp8_recipe=t.fp8_recipe)
     if t.offload_modules:

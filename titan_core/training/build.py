@@ -105,12 +105,14 @@ def build_training(
     accel: Accelerator,
     vocab_size: int,
     source: CheckpointSource | None = None,
+    routing_replay: bool = False,
 ) -> TrainingSetup:
     """The model (padded ``vocab_size``; the rows ``source`` was saved with, when given, so it
-    loads at any TP), DDP, optimizer, scheduler and schedule hooks, on this rank."""
+    loads at any TP), DDP, optimizer, scheduler and schedule hooks, on this rank;
+    ``routing_replay``: MoE routers with megatron-core's ``RouterReplay`` (RL)."""
     rows = saved_vocab_rows(source.root, source.iteration) if source else None
     vocab = padded_vocab_size(vocab_size, cfg, rows)
-    tf = build_transformer_config(cfg, accel)
+    tf = build_transformer_config(cfg, accel, routing_replay)
     chunks = build_model_chunks(cfg, tf, vocab, accel)
     model = wrap_model(cfg, tf, chunks)
     optimizer = build_optimizer(cfg, model)

@@ -75,6 +75,11 @@ class AlgoConfig(Section):
     icepop_beta: float = Field(5.0, gt=0.0)
     #: discount of reinforce_plus_plus token-level returns.
     gamma: float = Field(1.0, ge=0.0, le=1.0)
+    #: routing replay (R3) for MoE models: the trainer's old-logprob, reference and policy
+    #: forwards route each token to the experts the rollout engine routed it to (megatron-core's
+    #: ``moe_enable_routing_replay``), so the update is on the rollout's experts. Turns
+    #: ``rollout.return_routed_experts`` on. slime / miles ``--use-rollout-routing-replay``.
+    routing_replay: bool = False
 
     @property
     def clip_high(self) -> float:

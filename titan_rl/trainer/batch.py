@@ -25,6 +25,10 @@ class RLBatch:
     #: computes them (a caller splitting one rollout into several optimizer steps passes
     #: those it computed once, before the first step).
     old_logprobs: torch.Tensor | None = None
+    #: [B, L, num_layers, top_k] int64: row t holds the experts the rollout engine routed
+    #: token t to (the forward at position t, as the trainer's routers see it); -1 where the
+    #: engine reported none (the last token of each sample, padding). None: not requested.
+    routed_experts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -45,6 +49,7 @@ class RLBatch:
             self.rewards[index],
             pick(self.advantages),
             pick(self.old_logprobs),
+            pick(self.routed_experts),
         )
 
 
@@ -64,4 +69,30 @@ def pack_samples(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -
             if len(s.rollout_log_probs) == r:
                 rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return RLBatch(tokens, mask, rollout, rewards)
+    return RLBatch(tokens, mask, rollout, rewards, routed_experts=pack_routed(samples, length))
+
+
+def pack_routed(samples: list[Sample], length: int) -> torch.Tensor | None:
+    """The samples' ``rollout_routed_experts`` as ``[B, length, layers, top_k]`` (-1 where the
+    engine routed nothing); None when no sample carries them."""
+    have = [s.rollout_routed_experts is not None for s in samples]
+    if not any(have):
+        return None
+    if not all(have):
+        raise ValueError(
+            f"{have.count(False)} of {len(samples)} samples carry no rollout_routed_experts: "
+            "a batch needs them on every sample (rollout.return_routed_experts on every engine)"
+        )
+    first = torch.as_tensor(samples[0].rollout_routed_experts)
+    out = torch.full((len(samples), length, *first.shape[1:]), -1, dtype=torch.long)
+    for i, s in enumerate(samples):
+        routed = torch.as_tensor(s.rollout_routed_experts)
+        if routed.shape != (len(s.tokens) - 1, *first.shape[1:]):
+            raise ValueError(
+                f"sample {s.index}: rollout_routed_experts has shape {tuple(routed.shape)}, "
+                f"expected ({len(s.tokens) - 1}, {', '.join(map(str, first.shape[1:]))}) "
+                "(one row per token but the last); ask the engine with "
+                "routed_experts_start_len=0"
+            )
+        out[i, : routed.shape[0]] = routed
+    return out

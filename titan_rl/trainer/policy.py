@@ -36,6 +36,7 @@ from titan_rl.algo.losses import policy_loss
 from titan_rl.algo.rollout_correction import mismatch_metrics, rollout_correction
 from titan_rl.config import GRPOConfig
 from titan_rl.trainer.batch import RLBatch
+from titan_rl.trainer.routing import RoutingReplay
 
 #: what to look at when a loss, gradient or parameter is not finite
 NONFINITE_HINT = (
@@ -77,8 +78,17 @@ class PolicyTrainer:
             # the policy is the checkpoint's model, padding rows included, at any TP
             if it is not None:
                 source = CheckpointSource(Path(cfg.policy.load), it, resume=False)
-        self.setup = build_training(self.pcfg, self.accel, vocab, source)
+        replay = cfg.algo.routing_replay
+        if replay and not cfg.model.num_moe_experts:
+            raise ValueError(
+                "algo.routing_replay=true replays MoE routing, but the policy has no experts "
+                "(model.num_moe_experts unset); set algo.routing_replay=false"
+            )
+        self.setup = build_training(self.pcfg, self.accel, vocab, source, routing_replay=replay)
         self.tf, self.model = self.setup.tf, self.setup.model
+        self.routing = RoutingReplay(replay, self.tf.sequence_parallel)
+        #: mismatch/routing_agreement of the last old-logprob forward (None: not measured)
+        self.routing_agreement: float | None = None
         self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
         self.vocab_size = self.setup.vocab_size
         if cfg.policy.format == "titan":
@@ -178,6 +188,8 @@ class PolicyTrainer:
         def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
             mb = next(data_iterator)
             tokens = mb["tokens"]
+            if "routed" in mb:  # this microbatch's rollout routing, for this chunk's routers
+                self.routing.set_targets(chunk, mb["routed"])
             pos = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
             if not annotate:
                 return chunk(tokens, pos, None), partial(loss_fn, mb, num)
@@ -186,22 +198,39 @@ class PolicyTrainer:
                 logits = self.annotator.wrap_output(chunk(tokens, pos, None), bwd_name)
             return logits, partial(loss_fn, mb, num)
 
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=its if len(model) > 1 else its[0],
-            model=model if len(model) > 1 else model[0],
-            num_microbatches=num,
-            seq_length=seq,
-            micro_batch_size=self.cfg.train.micro_batch_size,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=its if len(model) > 1 else its[0],
+                model=model if len(model) > 1 else model[0],
+                num_microbatches=num,
+                seq_length=seq,
+                micro_batch_size=self.cfg.train.micro_batch_size,
+                forward_only=forward_only,
+            )
+        finally:
+            self.routing.clear(model)
+
+    def _fields(self, rows: RLBatch) -> dict[str, torch.Tensor]:
+        """The per-row tensors every forward needs: tokens, and the rollout's routing."""
+        fields = {"tokens": rows.tokens}
+        if rows.routed_experts is not None:
+            fields["routed"] = rows.routed_experts
+        elif self.cfg.algo.routing_replay:
+            raise ValueError(
+                "algo.routing_replay=true but the batch carries no routed experts; set "
+                "rollout.return_routed_experts=true (and pack Samples whose "
+                "rollout_routed_experts are set)"
+            )
+        return fields
 
     @torch.no_grad()
     def logprobs(
         self, batch: RLBatch, reference: bool = False, local: bool = False
     ) -> torch.Tensor | None:
         """Per-token logprobs of this DP rank's rows (None off the last pipeline stage);
-        ``local``: ``batch`` is already this DP rank's rows."""
+        ``local``: ``batch`` is already this DP rank's rows. The policy's forward of a batch
+        with routed experts also sets ``routing_agreement``."""
         model = self.ref_model if reference else self.model
         if model is None:
             return None
@@ -214,7 +243,12 @@ class PolicyTrainer:
             chunk.eval()
         try:
             rows = batch if local else self._local_rows(batch)
-            out = self._run(model, {"tokens": rows.tokens}, loss_fn, forward_only=True)
+            fields = self._fields(rows)
+            measure = not reference and "routed" in fields
+            with self.routing.measure(model) if measure else contextlib.nullcontext():
+                out = self._run(model, fields, loss_fn, forward_only=True)
+            if measure:
+                self.routing_agreement = self.routing.agreement()
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -271,8 +305,11 @@ class PolicyTrainer:
             adv = torch.zeros_like(rows.response_mask)
             old = torch.zeros_like(rows.response_mask)
             kept = rows.response_mask
+        if self.routing_agreement is not None:  # of the old-logprob forward
+            metrics["mismatch/routing_agreement"] = self.routing_agreement
+            self.routing_agreement = None
         fields = {
-            "tokens": rows.tokens,
+            **self._fields(rows),
             "mask": rows.response_mask,
             "old": old,
             "adv": adv,
