@@ -26,7 +26,7 @@ from titan_core.checkpoint.dist import unwrap
 from titan_core.data.tokenizer import build_tokenizer
 from titan_core.models.gpt import build_model_chunks
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
-from titan_core.models.hf.from_titan import llama_config_for
+from titan_core.models.hf.from_titan import hf_config_for
 from titan_core.parallel.initialize import initialize
 from titan_core.training.annotate import MicrobatchAnnotator
 from titan_core.training.build import CheckpointSource, build_training
@@ -92,7 +92,7 @@ class PolicyTrainer:
         self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
         self.vocab_size = self.setup.vocab_size
         if cfg.policy.format == "titan":
-            self.hf_config = llama_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
+            self.hf_config = hf_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
         self._load_policy(self.model)
         #: microbatch ranges of the policy updates on profiled steps (titan_rl.trainer.group)
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])

@@ -1,4 +1,5 @@
-"""The HF config (Llama architecture) of a Titan-native dense GPT, for export to HF engines.
+"""The HF config of a Titan-native GPT (Llama when dense, Qwen3-MoE when MoE), for export to
+HF engines.
 
 Titan's default GPT (RMSNorm, SwiGLU, RoPE, no biases) is a Llama; this writes the
 config.json an HF-speaking engine (the built-in one, SGLang) needs to load its weights.
@@ -51,3 +52,47 @@ def llama_config_for(
         "eos_token_id": eos_token_id,
         "pad_token_id": None,
     }
+
+
+def qwen3_moe_config_for(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None
+) -> dict[str, Any]:
+    """A transformers ``Qwen3MoeConfig`` dict with the same shapes and numerics as the MoE
+    ``model`` (every layer MoE, no shared expert, top-k renormalised softmax router)."""
+    problems = []
+    if not model.qk_layernorm or model.add_qkv_bias:
+        problems.append("Qwen3-MoE has qk_layernorm and no qkv bias (set model.qk_layernorm=true)")
+    if model.moe_shared_expert_intermediate_size:
+        problems.append("shared experts are not Qwen3-MoE")
+    if model.moe_layer_freq != 1:
+        problems.append("model.moe_layer_freq != 1 (dense layers between MoE) is not mapped")
+    if problems:
+        raise ConfigError("cannot export this model as HF Qwen3-MoE: " + "; ".join(problems))
+    dense = llama_config_for(
+        model.model_copy(update={"num_moe_experts": None, "qk_layernorm": False}),
+        vocab_size,
+        eos_token_id,
+    )
+    return {
+        **dense,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": model.num_moe_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": model.moe_ffn_hidden_size or dense["intermediate_size"],
+        "norm_topk_prob": True,  # megatron's default router renormalises over the top-k
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+        "output_router_logits": False,
+        "use_sliding_window": False,
+    }
+
+
+def hf_config_for(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None
+) -> dict[str, Any]:
+    """The HF config to export ``model`` as: Qwen3-MoE when it has experts, else Llama."""
+    if model.num_moe_experts:
+        return qwen3_moe_config_for(model, vocab_size, eos_token_id)
+    return llama_config_for(model, vocab_size, eos_token_id)
