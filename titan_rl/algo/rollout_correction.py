@@ -108,6 +108,7 @@ def mismatch_metrics(
     *,
     group: Any = None,
     device: torch.device | None = None,
+    dropped: Tensor | None = None,
 ) -> dict[str, float]:
     """The step's ``mismatch/*`` record, whatever the switches (they are measurements).
 
@@ -118,7 +119,8 @@ def mismatch_metrics(
     or IcePop take out of the update (0 with both off). Computed in float64 (k3 of a small
     log-ratio cancels in float32). ``group``: the data-parallel group whose ranks hold the
     batch's other rows, so every rank reports the whole batch's values; ``device``: where
-    that collective runs.
+    that collective runs; ``dropped``: the tokens :func:`rollout_correction` takes out, when
+    the caller already has them (computed here otherwise).
     """
     valid = mask.bool()
     diff = old_logprobs.detach().double() - rollout_logprobs.detach().double()
@@ -127,7 +129,8 @@ def mismatch_metrics(
     ratio = torch.where(valid, torch.exp(clamped), 0.0)
     k3 = ratio - clamped - valid.double()  # 0 off the mask
     abs_diff = log_ratio.abs()
-    dropped = rollout_correction(old_logprobs, rollout_logprobs, mask, cfg).dropped
+    if dropped is None:
+        dropped = rollout_correction(old_logprobs, rollout_logprobs, mask, cfg).dropped
     parts = [abs_diff.sum(), k3.sum(), ratio.sum(), dropped.sum().double(), valid.sum().double()]
     sums = torch.stack(parts)
     biggest = torch.cat([abs_diff.flatten(), abs_diff.new_zeros(1)]).amax().reshape(1)

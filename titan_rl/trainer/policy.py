@@ -296,11 +296,13 @@ class PolicyTrainer:
             metrics["train/rollout_logprob_abs_diff"] = float(
                 ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
             )
+            correction = rollout_correction(old, rows.rollout_logprobs, mask, cfg.algo)
             metrics |= mismatch_metrics(
-                old, rows.rollout_logprobs, mask, cfg.algo, group=self._dp_group(), device=device
-            )
+                old, rows.rollout_logprobs, mask, cfg.algo, group=self._dp_group(), device=device,
+                dropped=correction.dropped,
+            )  # fmt: skip
             # the normaliser counts only the tokens MIS keeps (as verl's response_mask)
-            kept = rollout_correction(old, rows.rollout_logprobs, mask, cfg.algo).mask
+            kept = correction.mask
         else:
             adv = torch.zeros_like(rows.response_mask)
             old = torch.zeros_like(rows.response_mask)
