@@ -18,7 +18,7 @@ Each section prints one line of figures and writes ``OUT_DIR/gpu_check.json``:
 - ``fp8``: blockwise FP8 GEMMs (1x128 activation tiles, 128x128 weight blocks, e4m3, fp32
   scales) through ``torch.nn.functional.scaled_mm`` against the same quantization computed
   in fp32 (relative error) and against a bf16 GEMM of the same shape (speed ratio).
-- ``ipc``: a direct-format weight-sync payload of GPU tensors (``titan_rl.sync.buckets``) is
+- ``ipc``: a direct-format weight-sync payload of GPU tensors (``titan_rl.wire.payload``) is
   opened in another process as SGLang opens it (``ForkingPickler``), values compared.
 """
 
@@ -236,7 +236,7 @@ print(repr([(n, t.device.type, float(t.double().sum())) for n, t in named]))
 
 
 def ipc() -> dict[str, Any]:
-    from titan_rl.sync.buckets import dumps_named
+    from titan_rl.wire.payload import dumps_named
 
     torch.manual_seed(0)
     named = [("w", torch.randn(1024, 1024, device="cuda")), ("b", torch.randn(4096, device="cuda"))]

@@ -13,13 +13,14 @@ import torch
 
 from titan_core.net import free_port
 from titan_rl.actors.server import ServerProcess
-from titan_rl.engine.weights import broadcast_named_tensors, join_weight_update_group
+from titan_rl.engine.weights import join_weight_update_group
 from titan_rl.rollout import (
     SGLangClient,
     SGLangRequestError,
     WeightUpdateError,
     serialize_named_tensors,
 )
+from titan_rl.wire.group import broadcast_named_tensors
 
 PROMPT = [5, 17, 33, 2, 9]
 NEW = 8

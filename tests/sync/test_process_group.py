@@ -10,7 +10,7 @@ from datetime import timedelta
 import torch
 
 from titan_core.net import free_port
-from titan_rl.sync.process_group import destroy_weights_update_group, init_weights_update_group
+from titan_rl.wire.group import destroy_weights_update_group, init_weights_update_group
 
 
 def _sglang_style_join(port: int, group: str) -> torch.distributed.ProcessGroup:

@@ -119,6 +119,34 @@ def test_comm_does_not_import_breakdown() -> None:
     assert graph.has_edge(f"{trace}.breakdown", f"{trace}.comm")
 
 
+def test_engine_and_sync_share_only_the_wire_formats() -> None:
+    """The engine (receiver) and the sync and rollout client (senders) both read the wire
+    formats from titan_rl.wire, and neither reaches the other, directly or through others;
+    the wire package imports neither (issue 18)."""
+    graph = import_graph(REPO / "titan_core", REPO / "titan_rl")
+
+    def reaches(src: str, dst: str) -> list[tuple[str, str]]:
+        return [
+            (a, b)
+            for a in graph
+            if a == src or a.startswith(src + ".")
+            for b in nx.descendants(graph, a)
+            if b == dst or b.startswith(dst + ".")
+        ]
+
+    for a, b in [
+        ("titan_rl.engine", "titan_rl.sync"),
+        ("titan_rl.engine", "titan_rl.rollout"),
+        ("titan_rl.sync", "titan_rl.engine"),
+        ("titan_rl.rollout", "titan_rl.engine"),
+        ("titan_rl.wire", "titan_rl.engine"),
+        ("titan_rl.wire", "titan_rl.sync"),
+    ]:
+        assert reaches(a, b) == [], f"{a} reaches {b}: {reaches(a, b)[:3]}"
+    assert graph.has_edge("titan_rl.engine.weights", "titan_rl.wire.payload")
+    assert graph.has_edge("titan_rl.sync.transports", "titan_rl.wire.payload")
+
+
 def _write(root: Path, files: dict[str, str]) -> Path:
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)

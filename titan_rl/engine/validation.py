@@ -20,6 +20,9 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+# a request the caller got wrong (400); the wire formats' error type, so payload errors are too
+from titan_rl.wire.errors import RequestError as RequestError
+
 #: error type of :func:`invalid`: its message is shown as written, without the value
 INVALID = "invalid_request"
 #: discriminator tags of "one value, or a list of one per prompt" fields (left out of paths)
@@ -31,8 +34,6 @@ _SHORT.maxstring = _SHORT.maxother = 60
 M = TypeVar("M", bound=BaseModel)
 
 
-class RequestError(ValueError):
-    """A request the caller got wrong: answered with HTTP 400 and this message."""
 
 
 def invalid(message: str) -> PydanticCustomError:

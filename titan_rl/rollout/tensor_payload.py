@@ -7,20 +7,11 @@ on the same host can open; the sender must keep the tensors alive until the call
 
 from __future__ import annotations
 
-import base64
-import io
-from multiprocessing.reduction import ForkingPickler
-
 import torch
 import torch.multiprocessing as mp
 
-from titan_rl.engine.weights import flatten_named_tensors
-
-
-def _dumps(obj: object) -> str:
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+from titan_rl.wire.bucket import flatten_named_tensors
+from titan_rl.wire.payload import dumps
 
 
 def serialize_named_tensors(
@@ -39,8 +30,8 @@ def serialize_named_tensors(
     if load_format == "flattened_bucket":
         flat, meta = flatten_named_tensors(named)
         flat = flat.share_memory_()
-        return _dumps({"flattened_tensor": flat, "metadata": meta}), [flat]
+        return dumps({"flattened_tensor": flat, "metadata": meta}), [flat]
     if load_format not in (None, "direct"):
         raise ValueError(f"load_format {load_format!r}: use None, 'direct' or 'flattened_bucket'")
     shared = [(n, t.detach().contiguous().clone().share_memory_()) for n, t in named]
-    return _dumps(shared), [t for _, t in shared]
+    return dumps(shared), [t for _, t in shared]

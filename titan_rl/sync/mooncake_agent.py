@@ -16,7 +16,8 @@ import httpx
 import torch
 import torch.multiprocessing as mp
 
-from titan_rl.sync.buckets import dumps_bucket, metadata_class
+from titan_rl.wire.bucket import metadata_class
+from titan_rl.wire.payload import dumps_bucket
 
 
 class Agent:

@@ -37,9 +37,7 @@ from titan_core.models.hf import HFBridge
 from titan_rl.rollout import ClientOptions, make_engine_client
 from titan_rl.rollout.engine_api import EngineUnavailableError, RetryPolicy
 from titan_rl.sync import parity, shm_reaper
-from titan_rl.sync.buckets import NamedTensors, bucket_nbytes
 from titan_rl.sync.config import SyncConfig
-from titan_rl.sync.process_group import destroy_weights_update_group
 from titan_rl.sync.transports import (
     DiskTransport,
     DistributedTransport,
@@ -50,6 +48,8 @@ from titan_rl.sync.transports import (
     Transport,
     each_engine,
 )
+from titan_rl.wire.bucket import NamedTensors, bucket_nbytes
+from titan_rl.wire.group import destroy_weights_update_group
 
 log = logging.getLogger(__name__)
 

@@ -20,19 +20,12 @@ import torch.multiprocessing
 
 from titan_core.accelerator import get_accelerator
 from titan_core.net import free_port
-from titan_rl.engine.weights import unflatten
 from titan_rl.rollout.engine_api import EngineClient
 from titan_rl.sync import shm_reaper
-from titan_rl.sync.buckets import (
-    NamedTensors,
-    bucket_nbytes,
-    dtype_name,
-    dumps_bucket,
-    dumps_named,
-    flatten_into,
-)
 from titan_rl.sync.config import SyncConfig
-from titan_rl.sync.process_group import destroy_weights_update_group, init_weights_update_group
+from titan_rl.wire.bucket import NamedTensors, bucket_nbytes, dtype_name, flatten_into, unflatten
+from titan_rl.wire.group import destroy_weights_update_group, init_weights_update_group
+from titan_rl.wire.payload import dumps_bucket, dumps_named
 
 Failures = dict[str, BaseException]
 

@@ -200,7 +200,7 @@ async def destroy_weights_update_group(
     if pg is None:
         return fail(f"no weight update group {req.group_name!r}")
     # imported here: the titan_rl.sync package (its __init__) is the trainer's side
-    from titan_rl.sync.process_group import destroy_weights_update_group as destroy
+    from titan_rl.wire.group import destroy_weights_update_group as destroy
 
     destroy(pg)
     return ok("Succeeded to destroy custom process group.")

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+
+from titan_rl.wire.bucket import (
+    NamedTensors,
+    bucket_nbytes,
+    flatten_named_tensors,
+    parse_dtype,
+    unflatten,
+)
 
 
 def init_weights_update_group(
@@ -54,3 +63,44 @@ def init_weights_update_group(
 def destroy_weights_update_group(pg: dist.ProcessGroup) -> None:
     """Leave a group made by :func:`init_weights_update_group` (its name can be reused)."""
     dist.destroy_process_group(pg)
+
+
+def receive_broadcast(
+    pg: dist.ProcessGroup,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    load_format: str | None,
+    device: torch.device | str = "cpu",
+) -> NamedTensors:
+    """Receive tensors broadcast from group rank 0, one by one or as one flattened uint8
+    bucket, into fresh buffers on ``device`` (the one the group's backend reads: a GPU for
+    NCCL/MCCL, never a CPU buffer there)."""
+    empties = [
+        (n, torch.empty(tuple(s), dtype=parse_dtype(d), device=device))
+        for n, d, s in zip(names, dtypes, shapes, strict=True)
+    ]
+    if load_format == "flattened_bucket":
+        flat = torch.empty(bucket_nbytes(empties), dtype=torch.uint8, device=device)
+        pg.broadcast(flat, 0).wait()
+        meta, offset = [], 0
+        for n, t in empties:
+            size = t.numel() * t.element_size()
+            meta.append((n, t.shape, t.dtype, offset, offset + size))
+            offset += size
+        return unflatten(flat, meta)
+    for _, t in empties:
+        pg.broadcast(t, 0).wait()
+    return empties
+
+
+def broadcast_named_tensors(
+    pg: dist.ProcessGroup, named: NamedTensors, load_format: str | None = None
+) -> None:
+    """The sender's side (group rank 0) of :func:`receive_broadcast`: same order and layout."""
+    if load_format == "flattened_bucket":
+        flat, _ = flatten_named_tensors(named)
+        pg.broadcast(flat, 0).wait()
+        return
+    for _, t in named:
+        pg.broadcast(t.detach().contiguous(), 0).wait()
