@@ -70,6 +70,9 @@ def main() -> None:
             except WeightSyncError as e:
                 rnd["error"] = str(e)
                 rnd["failed"] = sorted(e.failures)
+            # HF bytes each trainer rank sent (rank order)
+            rnd["rank_bytes"] = [None] * dist.get_world_size()
+            dist.all_gather_object(rnd["rank_bytes"], ws.last_report.bytes)
             res["rounds"].append(rnd)
             if "error" in rnd:
                 break

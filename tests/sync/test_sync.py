@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,13 +29,13 @@ WORKER = str(REPO / "tests" / "sync" / "sync_worker.py")
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
 
-def tiny_qwen3(path: Path, seed: int, intermediate: int = 128) -> Path:
+def tiny_qwen3(path: Path, seed: int, intermediate: int = 128, layers: int = 2) -> Path:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=2,
+        vocab_size=300, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     )  # fmt: skip
@@ -64,10 +65,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tiny_qwen3(tmp_path_factory.mktemp("qwen3"), seed=0)
 
 
-def start_engine(model_dir: Path, log_dir: Path, name: str) -> ServerProcess:
+def start_engine(model_dir: Path, log_dir: Path, name: str, tp_size: int = 1) -> ServerProcess:
     cfg = EngineServerConfig(
         model_path=str(model_dir), backend="builtin", num_threads=1, log_dir=str(log_dir),
-        startup_timeout_s=120,
+        startup_timeout_s=120, tp_size=tp_size,
     )  # fmt: skip
     server = ServerProcess(cfg, name=name)
     server.start()
@@ -107,6 +108,30 @@ def weight_version(url: str) -> str:
     return asyncio.run(get())
 
 
+def start_agent(engine_url: str, log_path: Path, buffer_bytes: int = 1 << 20) -> tuple[str, Any]:
+    """A Mooncake agent beside the engine at ``engine_url``: (its URL, its process)."""
+    import httpx
+
+    port = free_port()
+    log = open(log_path, "w")  # noqa: SIM115 (closed with the process)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "titan_rl.sync.mooncake_agent", "--engine-url", engine_url,
+         "--port", str(port), "--buffer-bytes", str(buffer_bytes)],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        try:
+            httpx.get(f"{url}/info", timeout=1).raise_for_status()
+            return url, p
+        except httpx.HTTPError:
+            if p.poll() is not None:
+                pytest.fail(f"mooncake agent exited: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+    p.kill()
+    pytest.fail("mooncake agent did not start")
+
+
 def engine_scores(url: str) -> list[list[float]]:
     from titan_rl.sync.parity import engine_logprobs, probe_batch
 
@@ -122,28 +147,10 @@ def agent(engine: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> It
     if not HAVE_MOONCAKE:
         yield ""
         return
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("agent") / "agent.log", "w")  # noqa: SIM115
-    p = subprocess.Popen(
-        [sys.executable, "-m", "titan_rl.sync.mooncake_agent", "--engine-url", engine.url,
-         "--port", str(port), "--buffer-bytes", str(1 << 20)],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO)),
-    )  # fmt: skip
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            httpx.get(f"{url}/info", timeout=1).raise_for_status()
-            break
-        except httpx.HTTPError:
-            if p.poll() is not None:
-                pytest.fail(f"mooncake agent exited: {Path(log.name).read_text()[-2000:]}")
-            time.sleep(0.2)
+    url, p = start_agent(engine.url, tmp_path_factory.mktemp("agent") / "agent.log")
     yield url
     p.terminate()
     p.wait(10)
-    log.close()
 
 
 @pytest.mark.slow

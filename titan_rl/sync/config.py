@@ -40,14 +40,17 @@ class DiskSync(Section):
 
 
 class DistributedSync(Section):
-    """``sync.distributed``: a process group per engine, broadcast from trainer rank 0."""
+    """``sync.distributed``: a process group per sender (each pipeline stage's source rank,
+    each EP rank sending its experts) with every engine; one broadcast per bucket."""
 
-    #: rendezvous address the engines can reach.
+    #: the address each sender hosts its group's rendezvous on, as the engines reach it;
+    #: "auto": each sender host's own address (senders on several hosts).
     master_address: str = "127.0.0.1"
-    #: rendezvous port of engine 0 (engine i: this + i); 0 picks free ones.
+    #: rendezvous port of sender 0 (sender i: this + i); 0 picks free ones.
     master_port: int = Field(0, ge=0, lt=65536)
-    #: the process groups' name prefix (engine i's group: ``<group_name>-i``).
-    group_name: str = "titan_weight_sync"
+    #: the process groups' name prefix (a stage's group: ``<group_name>-pp_<stage>``; an EP
+    #: rank sending its experts alone: ``<group_name>-pp_<stage>-ep_<rank>``).
+    group_name: str = "titan"
     #: process-group backend (None: the accelerator's weight-update backend).
     backend: str | None = None
 

@@ -36,13 +36,24 @@ class Agent:
             raise SystemExit(f"Mooncake TransferEngine.initialize on {host} ({protocol}) failed")
         if self.te.register_memory(self.buf.data_ptr(), buffer_bytes) != 0:
             raise SystemExit("Mooncake could not register the receive buffer")
+        self._tp_size: int | None = None
         self.info = {
             "session": f"{host}:{self.te.get_rpc_port()}",
             "addr": self.buf.data_ptr(),
             "size": buffer_bytes,
         }
 
+    def tp_size(self) -> int:
+        """The engine's TP size: one payload per engine TP rank (asked once)."""
+        if self._tp_size is None:
+            r = httpx.get(f"{self.engine_url}/get_server_info", headers=self.headers, timeout=60)
+            r.raise_for_status()
+            self._tp_size = int(r.json().get("tp_size") or 1)
+        return self._tp_size
+
     def load(self, rows: list[list[Any]]) -> tuple[int, dict[str, Any]]:
+        """Hand the bytes the trainer wrote at ``rows`` (absolute offsets: each trainer sender
+        writes its own region of the buffer) to the engine."""
         meta_cls = metadata_class()
         meta, end = [], 0
         for name, shape, dtype, start, stop in rows:
@@ -54,7 +65,9 @@ class Agent:
         if end > self.buf.numel():
             return 400, {"success": False, "message": f"metadata ends at {end}, past the buffer"}
         payload = {
-            "serialized_named_tensors": [dumps_bucket(self.buf[:end], meta)],
+            "serialized_named_tensors": [
+                dumps_bucket(self.buf[:end], meta) for _ in range(self.tp_size())
+            ],
             "load_format": "flattened_bucket",
             "flush_cache": False,
         }

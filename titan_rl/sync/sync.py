@@ -1,8 +1,12 @@
 """Weight sync trainer -> engines: pause, flush, update bucket by bucket, bump the version,
 (colocated: resume the KV cache,) continue; then the logprob parity check.
 
-Every trainer rank calls :meth:`WeightSync.sync` (the export gathers over TP/PP/EP); trainer
-rank 0 alone talks to the engines. An engine that fails during a sync never serves the half
+Every trainer rank calls :meth:`WeightSync.sync`. Nothing funnels through one rank: each
+pipeline stage's source rank sends its stage's weights and each EP rank its own experts
+(:class:`~titan_core.models.hf.SendRole`), straight to the engines; trainer rank 0 coordinates
+(pause, commit, version, resume) and gathers what the senders saw (:mod:`titan_rl.sync.control`).
+An engine TP rank gets its own payload (``tensor``), group rank (``distributed``) or buffer
+(``mooncake``). An engine that fails during a sync never serves the half
 update as new: it keeps its old ``weight_version``; if it had already applied buckets, it is
 restored from the last full version on disk when one is known (the engine's start-up weights
 or the last disk sync), and otherwise left paused. Either way :class:`WeightSyncError` names it.
@@ -33,11 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from titan_core.models.hf import HFBridge
+from titan_core.models.hf import HFBridge, SendRole
 from titan_rl.rollout import ClientOptions, make_engine_client
 from titan_rl.rollout.engine_api import EngineUnavailableError, RetryPolicy
 from titan_rl.sync import parity, shm_reaper
 from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.control import Report, Sender, TrainerRanks
 from titan_rl.sync.transports import (
     DiskTransport,
     DistributedTransport,
@@ -49,7 +54,6 @@ from titan_rl.sync.transports import (
     each_engine,
 )
 from titan_rl.wire.bucket import NamedTensors, bucket_nbytes
-from titan_rl.wire.group import destroy_weights_update_group
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +106,14 @@ class WeightSync:
             )
         self.cfg = cfg
         self.bridge = HFBridge(hf_config)
-        #: the trainer rank that talks to the engines (the others take part in the gathers)
-        self.dst = 0
+        self.ranks = TrainerRanks()
+        #: the trainer rank that coordinates the sync and gets its metrics
+        self.dst = self.ranks.COORDINATOR
+        #: this rank's part in the sync (set on the first sync: parallel_state is up by then)
+        self._role: SendRole | None = None
+        self._sender: Sender | None = None
+        #: what this rank sent in the last sync (bytes, buckets, failures it saw)
+        self.last_report = Report()
         self.supervised = supervised
         self.api_key = api_key
         self.engine_urls = list(engine_urls)
@@ -120,6 +130,8 @@ class WeightSync:
         self._direct = cfg.transport == "tensor" and cfg.tensor.format == "direct"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
+        #: engines restarted since the last sync (coordinator): senders drop their groups
+        self._forgotten: set[str] = set()
 
     # ---- set-up ----------------------------------------------------------------------------
     def _make_transport(self) -> Transport:
@@ -182,16 +194,13 @@ class WeightSync:
             raise ValueError(f"resync: {unknown} are not among the engines {self.engine_urls}")
         if not urls:
             return {}
-        engines = None
-        if _rank() == self.dst:
-            engines = [e for e in self._engines() if e.url in urls]
-            self._forget(engines)
         t0 = time.perf_counter()
         metrics = {
             f"resync/{k.removeprefix('sync/')}": v
-            for k, v in self._push(chunks, version, engines, restarted=True).items()
+            for k, v in self._push(chunks, version, urls, restarted=True).items()
         }
         if self.cfg.check_every:
+            engines = [e for e in self._engines() if e.url in urls] if _rank() == self.dst else None
             stats = self.check(chunks, engines, version)
             metrics.update({f"resync/{k.removeprefix('sync/')}": v for k, v in stats.items()})
         if _rank() == self.dst:
@@ -202,31 +211,35 @@ class WeightSync:
         return metrics
 
     def _forget(self, engines: list[Engine]) -> None:
-        """A restarted engine holds no state of earlier syncs: no process group (distributed
-        transport), no restore point but its start-up weights."""
-        tr = self._transport
+        """A restarted engine holds no state of earlier syncs: no restore point but its
+        start-up weights, and no process group (every sender rebuilds its group with it at the
+        next sync: ``forget`` in the plan)."""
         for e in engines:
             self.restore_paths.pop(e.url, None)
-            if isinstance(tr, DistributedTransport):
-                pg = tr.groups.pop(e.url, None)
-                if pg is not None:
-                    try:  # the peer is gone: tear down our side of the old group
-                        destroy_weights_update_group(pg)
-                    except Exception as ex:
-                        log.warning("%s: dropping the old weight group: %s", e.url, _describe(ex))
+            self._forgotten.add(e.url)
+
+    def _setup_roles(self) -> tuple[SendRole, Sender | None]:
+        if self._role is None:
+            self._role = SendRole.current(self.bridge.has_experts())
+            senders = self.ranks.all_gather((self._role.sends, self._role.name))
+            names = [name for sends, name in senders if sends]
+            if self._role.sends:
+                self._sender = Sender(self._role.name, names.index(self._role.name), len(names))
+        return self._role, self._sender
 
     def _push(
         self,
         chunks: list[Any],
         version: str,
-        engines: list[Engine] | None,
+        urls: list[str] | None,
         restarted: bool = False,
     ) -> dict[str, float]:
-        """Export the weights (every rank) and send them to ``engines`` (None: all) from rank
-        ``dst``."""
+        """Pause (coordinator), send each rank's part (senders; every rank runs the export's
+        gathers), then commit and resume (coordinator). Metrics on the coordinator."""
+        role, sender = self._setup_roles()
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         out = None
-        if self._direct and _rank() == self.dst:
+        if self._direct and role.sends:
             # The parameters themselves are sent: on CPU they must live in shared memory, and
             # q/k/v are written into shared-memory shadows (one copy, none in staging).
             tr = self._get_transport()
@@ -234,49 +247,136 @@ class WeightSync:
             tr.param_storages = _share_parameters(chunks)
             if self.device.type == "cpu":
                 out = tr.shadow
-        buckets = self.bridge.export(
-            chunks, self.cfg.bucket_bytes, dst=self.dst, dtype=dtype, views=True, out=out
+        buckets = self.bridge.export_shard(
+            chunks, self.cfg.bucket_bytes, dtype=dtype, views=True, out=out
         )
-        if _rank() != self.dst:
+        engines: list[Engine] = []
+        plan = None
+        if self.ranks.coordinator:
+            engines = self._engines() if urls is None else [
+                e for e in self._engines() if e.url in urls
+            ]  # fmt: skip
+            if restarted:
+                self._forget(engines)
+            plan = self._run(self._prepare(engines, version, restarted))
+        plan = self.ranks.share(plan)
+        if sender is not None:
+            report = self._run(self._send_part(buckets, plan, sender))
+        else:
             for _ in buckets:  # take part in the gathers
                 pass
+            report = Report()
+        self.last_report = report
+        reports = self.ranks.gather(report)
+        if not self.ranks.coordinator:
             return {}
-        engines = self._engines() if engines is None else engines
-        return self._run(self._sync_engines(buckets, version, engines, restarted))
+        assert reports is not None
+        return self._run(self._finish(engines, plan, reports, version, restarted))
 
-    async def _sync_engines(
-        self,
-        buckets: Iterator[NamedTensors],
-        version: str,
-        engines: list[Engine],
-        restarted: bool = False,
-    ) -> dict[str, float]:
-        """``restarted``: engines that just started (their requests are aborted, not retracted
-        into the new weights; they hold their KV cache, so it is not resumed)."""
+    async def _prepare(
+        self, engines: list[Engine], version: str, restarted: bool
+    ) -> dict[str, Any]:
+        """Coordinator: pause and flush, learn each engine's TP size; the plan for the
+        senders."""
         tr = self._get_transport()
         for e in engines:
             e.applied = 0
             e.extra.pop("left_paused", None)
-        failures: dict[str, str] = {}
-        unreachable: set[str] = set()
+        failures: dict[str, tuple[str, bool]] = {}
 
         def fail(found: Failures, stage: str) -> None:
             for url, exc in found.items():
-                failures.setdefault(url, f"{stage}: {_describe(exc)}")
-                if isinstance(exc, EngineUnavailableError):
-                    unreachable.add(url)
+                failures.setdefault(
+                    url, (f"{stage}: {_describe(exc)}", isinstance(exc, EngineUnavailableError))
+                )
 
-        t_start = time.perf_counter()
+        t0 = time.perf_counter()
         await self._remember_restore_points(engines)
         fail(await _pause(engines, "abort" if restarted else self.cfg.pause_mode), "pause")
-        t0 = time.perf_counter()
         live = [e for e in engines if e.url not in failures]
-        fail(await tr.begin(live, version), "begin")
-        nbytes, nbuckets = await self._send_buckets(tr, engines, buckets, failures, fail)
+        fail(await each_engine(live, self._learn_tp_size), "server info")
+        live = [e for e in live if e.url not in failures]
+        fail(await tr.prepare(live, version), "prepare")
+        forget, self._forgotten = sorted(self._forgotten), set()
+        return {
+            "urls": [e.url for e in live if e.url not in failures],
+            "tp": {e.url: e.tp_size for e in engines},
+            "failures": failures,
+            "forget": forget,
+            "version": version,
+            "started": t0,
+        }
+
+    @staticmethod
+    async def _learn_tp_size(e: Engine) -> None:
+        if e.tp_size == 0:
+            info = await e.client.get_server_info()
+            e.tp_size = int(info.get("tp_size") or 1)
+
+    async def _send_part(
+        self, buckets: Iterator[NamedTensors], plan: dict[str, Any], sender: Sender
+    ) -> Report:
+        """A sender: this rank's buckets to every engine of the plan."""
+        tr = self._get_transport()
+        tr.sender = sender
+        report = Report()
+        engines = [e for e in self._engines() if e.url in plan["urls"]]
+        for e in engines:
+            e.applied = 0
+            e.tp_size = plan["tp"][e.url]
+        failed: dict[str, str] = {}
+
+        def fail(found: Failures, stage: str) -> None:
+            for url, exc in found.items():
+                if url not in failed:
+                    failed[url] = stage
+                    report.failures[url] = (
+                        f"{stage} (from {sender.name}): {_describe(exc)}",
+                        isinstance(exc, EngineUnavailableError),
+                    )
+
+        t0 = time.perf_counter()
+        fail(await tr.begin(engines, plan["version"], plan["forget"]), "begin")
+        report.bytes, report.buckets = await self._send_buckets(tr, engines, buckets, failed, fail)
+        await tr.end(engines)
+        report.transfer_s = time.perf_counter() - t0
+        report.applied = {e.url: e.applied for e in engines}
+        return report
+
+    async def _finish(
+        self,
+        engines: list[Engine],
+        plan: dict[str, Any],
+        reports: list[Report],
+        version: str,
+        restarted: bool,
+    ) -> dict[str, float]:
+        """Coordinator: merge the senders' reports, commit, version, recover, resume."""
+        tr = self._get_transport()
+        failures: dict[str, str] = {}
+        unreachable: set[str] = set()
+
+        def note(url: str, msg: str, gone: bool) -> None:
+            failures.setdefault(url, msg)
+            if gone:
+                unreachable.add(url)
+
+        def fail(found: Failures, stage: str) -> None:
+            for url, exc in found.items():
+                note(url, f"{stage}: {_describe(exc)}", isinstance(exc, EngineUnavailableError))
+
+        for url, (msg, gone) in plan["failures"].items():
+            note(url, msg, gone)
+        for r in reports:
+            for url, (msg, gone) in r.failures.items():
+                note(url, msg, gone)
+        by_url = {e.url: e for e in engines}
+        for r in reports:
+            for url, n in r.applied.items():
+                by_url[url].applied += n
         live = [e for e in engines if e.url not in failures]
         fail(await tr.commit(live, version), "load")
-        await tr.end(engines)
-        transfer_s = time.perf_counter() - t0
+        transfer_s = max((r.transfer_s for r in reports), default=0.0)
         live = [e for e in engines if e.url not in failures]
         fail(await each_engine(live, lambda e: e.client.update_weight_version(version)), "version")
         lost = self._lost(engines, failures, unreachable, version)
@@ -286,9 +386,7 @@ class WeightSync:
             if e.url in failures:
                 failures[e.url] = await self._recover(e, tr, failures[e.url])
             else:
-                self.restore_paths[e.url] = (
-                    str(tr.path) if isinstance(tr, DiskTransport) and tr.path else None
-                )
+                self.restore_paths[e.url] = tr.restore_path(version)
         serving = [e for e in engines if not e.extra.get("left_paused") and e.url not in lost]
         if self.cfg.resume_kv_cache and not restarted:  # colocated: the KV cache comes back
             fail(
@@ -302,12 +400,15 @@ class WeightSync:
             raise WeightSyncError(failures, version)
         if not restarted:
             self.version = version
-        total_s = time.perf_counter() - t_start
+        sent = [r.bytes for r in reports if r.buckets]
+        nbytes = sum(sent)
         return {
-            "sync/time_s": total_s,
+            "sync/time_s": time.perf_counter() - plan["started"],
             "sync/transfer_s": transfer_s,
             "sync/bytes": float(nbytes),
-            "sync/buckets": float(nbuckets),
+            "sync/bytes_max_rank": float(max(sent, default=0)),
+            "sync/senders": float(len(sent)),
+            "sync/buckets": float(sum(r.buckets for r in reports)),
             "sync/gbps": nbytes / transfer_s / 1e9 if transfer_s > 0 else 0.0,
             **({"sync/engines_lost": float(len(lost))} if lost else {}),
         }
@@ -334,7 +435,7 @@ class WeightSync:
         tr: Transport,
         engines: list[Engine],
         buckets: Iterator[NamedTensors],
-        failures: dict[str, str],
+        failures: dict[str, Any],
         fail: Callable[[Failures, str], None],
     ) -> tuple[int, int]:
         """Every bucket to every live engine; a pipelined transport keeps two in flight."""
@@ -449,7 +550,7 @@ class WeightSync:
 
     def close(self) -> None:
         if self._transport is not None:
-            if isinstance(self._transport, DistributedTransport) and _rank() == self.dst:
+            if isinstance(self._transport, DistributedTransport):
                 self._run(self._transport.destroy(self._engines()))
             self._transport.close()
             self._transport = None

@@ -1,6 +1,13 @@
 """The four ways buckets reach the engines. Each sends every bucket to every live engine and
 reports failures per engine (it never raises for one engine's error), so the caller can keep
-the trainer ranks' gathers going and leave failed engines on their old weights."""
+the trainer ranks' gathers going and leave failed engines on their old weights.
+
+Every sender rank (a pipeline stage's or EP rank's source, :mod:`titan_rl.sync.control`) runs
+its own transport: :meth:`Transport.begin`, :meth:`~Transport.send` per bucket and
+:meth:`~Transport.end`; the coordinator alone runs :meth:`~Transport.prepare` before the
+senders and :meth:`~Transport.commit` after them. An engine of TP size t gets what its t
+ranks need: t payloads per request (``tensor``), t ranks in each group (``distributed``).
+"""
 
 from __future__ import annotations
 
@@ -19,10 +26,11 @@ import torch
 import torch.multiprocessing
 
 from titan_core.accelerator import get_accelerator
-from titan_core.net import free_port
+from titan_core.net import free_port, host_address
 from titan_rl.rollout.engine_api import EngineClient
 from titan_rl.sync import shm_reaper
 from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.control import Sender, TrainerRanks
 from titan_rl.wire.bucket import NamedTensors, bucket_nbytes, dtype_name, flatten_into, unflatten
 from titan_rl.wire.group import destroy_weights_update_group, init_weights_update_group
 from titan_rl.wire.payload import dumps_bucket, dumps_named
@@ -39,6 +47,8 @@ class Engine:
     index: int
     #: buckets this engine has applied in the current sync (0: still on the old weights).
     applied: int = 0
+    #: its tensor-parallel size (0: not asked yet); one payload / group rank per TP rank
+    tp_size: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -59,8 +69,17 @@ class Transport(ABC):
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         self.cfg = cfg
         self.device = device
+        #: this rank as a sender (set by WeightSync before begin)
+        self.sender = Sender("pp_0", 0, 1)
+        self.ranks = TrainerRanks()
 
-    async def begin(self, engines: list[Engine], version: str) -> Failures:
+    async def prepare(self, engines: list[Engine], version: str) -> Failures:
+        """Coordinator, before any sender begins."""
+        return {}
+
+    async def begin(self, engines: list[Engine], version: str, forget: list[str]) -> Failures:
+        """A sender, before its first bucket; ``forget``: engines restarted since the last
+        sync (they hold none of its earlier state)."""
         return {}
 
     @abstractmethod
@@ -72,13 +91,24 @@ class Transport(ABC):
         await asyncio.sleep(0)
 
     async def commit(self, engines: list[Engine], version: str) -> Failures:
+        """Coordinator, after every sender ended."""
         return {}
 
     async def end(self, engines: list[Engine]) -> None:
         return None
 
+    def restore_path(self, version: str) -> str | None:
+        """A folder holding ``version``'s full weights, once committed (disk), else None."""
+        return None
+
     def close(self) -> None:
         return None
+
+
+def per_tp_rank(e: Engine, dump: Callable[[], str]) -> list[str]:
+    """``serialized_named_tensors`` for ``e``: one entry per engine TP rank (SGLang's layout),
+    each its own dump (a receiver's unpickling drops the reference its dump took)."""
+    return [dump() for _ in range(max(e.tp_size, 1))]
 
 
 class _Staging:
@@ -166,7 +196,7 @@ class TensorTransport(Transport):
             self._shadows[name] = t
         return t
 
-    async def begin(self, engines: list[Engine], version: str) -> Failures:
+    async def begin(self, engines: list[Engine], version: str, forget: list[str]) -> Failures:
         # Every sync starts on the first buffer, so a model of one bucket reuses one mapping
         # (an engine maps a new segment page by page: ~3 ms per MiB under a sandboxed kernel).
         self._turn = 0
@@ -196,11 +226,12 @@ class TensorTransport(Transport):
         if self.direct:
             return await self._send_direct(engines, bucket)
         flat, meta = await self._stage(bucket)
-        payload = dumps_bucket(flat, meta)
 
         async def one(e: Engine) -> None:
             await e.client.update_weights_from_tensor(
-                [payload], load_format="flattened_bucket", flush_cache=False
+                per_tp_rank(e, lambda: dumps_bucket(flat, meta)),
+                load_format="flattened_bucket",
+                flush_cache=False,
             )
             e.applied += 1
 
@@ -225,14 +256,13 @@ class TensorTransport(Transport):
             flat, meta = await self._stage([named[i] for i in idx], self.ALIGN)
             for i, (_, view) in zip(idx, unflatten(flat, meta), strict=True):
                 named[i] = (named[i][0], view)
-        # one dump per engine: each unpickling drops the transfer reference it took
-        payloads = [dumps_named(named) for _ in engines]
-        payload_of = {e.url: p for e, p in zip(engines, payloads, strict=True)}
+        # one dump per engine TP rank: each unpickling drops the transfer reference it took
+        payload_of = {e.url: per_tp_rank(e, lambda: dumps_named(named)) for e in engines}
         posted.set()
 
         async def one(e: Engine) -> None:
             await e.client.update_weights_from_tensor(
-                [payload_of[e.url]], load_format="direct", flush_cache=False
+                payload_of[e.url], load_format="direct", flush_cache=False
             )
             e.applied += 1
 
@@ -240,41 +270,47 @@ class TensorTransport(Transport):
 
 
 class DiskTransport(Transport):
-    """HF safetensors written to a hidden folder, renamed into place, then loaded at commit."""
+    """HF safetensors written to a hidden folder (each sender its own files), renamed into
+    place, then loaded at commit. Senders on several hosts need ``sync.disk.dir`` on a shared
+    filesystem."""
 
     incremental = False
 
     def __init__(self, cfg: SyncConfig, device: torch.device) -> None:
         super().__init__(cfg, device)
         self.root = Path(cfg.disk.dir or ".")
-        self._tmp: Path | None = None
         self._parts = 0
         self.path: Path | None = None
 
-    async def begin(self, engines: list[Engine], version: str) -> Failures:
+    def _incomplete(self, version: str) -> Path:
+        return self.root / f".incomplete-{version}"
+
+    async def prepare(self, engines: list[Engine], version: str) -> Failures:
+        tmp = self._incomplete(version)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.root / f".incomplete-{version}"
-        shutil.rmtree(self._tmp, ignore_errors=True)
-        self._tmp.mkdir()
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        return {}
+
+    async def begin(self, engines: list[Engine], version: str, forget: list[str]) -> Failures:
+        self._tmp = self._incomplete(version)
         self._parts = 0
         return {}
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         from safetensors.torch import save_file
 
-        assert self._tmp is not None
-        part = self._tmp / f"model-{self._parts:05d}.safetensors"
+        part = self._tmp / f"model-{self.sender.name}-{self._parts:05d}.safetensors"
         tensors = {n: t.detach().cpu().contiguous() for n, t in bucket}
         await asyncio.to_thread(save_file, tensors, str(part), {"format": "pt"})
         self._parts += 1
         return {}
 
     async def commit(self, engines: list[Engine], version: str) -> Failures:
-        assert self._tmp is not None
         final = self.root / f"version-{version}"
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(self._tmp, final)  # atomic: a reader sees the whole version or none
-        self._tmp, self.path = None, final
+        os.replace(self._incomplete(version), final)  # atomic: a reader sees all or nothing
+        self.path = final
 
         async def one(e: Engine) -> None:
             await e.client.update_weights_from_disk(str(final), flush_cache=False)
@@ -283,6 +319,9 @@ class DiskTransport(Transport):
         failures = await each_engine(engines, one)
         self._prune(final)
         return failures
+
+    def restore_path(self, version: str) -> str | None:
+        return str(self.path) if self.path is not None else None
 
     def _prune(self, current: Path) -> None:
         versions = sorted(
@@ -294,7 +333,19 @@ class DiskTransport(Transport):
 
 
 class DistributedTransport(Transport):
-    """``init_weights_update_group`` once per engine, then a broadcast from the trainer."""
+    """One weight-update group per sender with every engine (slime's layout: group
+    ``<group_name>-pp_<stage>``, ``...-ep_<rank>`` for an EP rank sending its experts): the
+    sender is group rank 0, engine i's TP rank k is rank ``1 + (TP sizes of engines before i)
+    + k``. Each bucket is one broadcast from the sender's device (NCCL/MCCL on GPU, gloo on
+    CPU) that reaches every engine at once. Senders take turns per bucket (the trainer-wide
+    mutex, :mod:`titan_rl.sync.control`): an engine applies one update at a time.
+
+    When an engine fails a bucket, or the membership changes (an engine restarted or lost),
+    the group is formed again with the engines left, under a new name (``...-g<n>``), so the
+    others go on taking the weights.
+    """
+
+    MUTEX = "titan/sync/distributed"
 
     def __init__(self, cfg: SyncConfig, device: torch.device, backend: str) -> None:
         super().__init__(cfg, device)
@@ -305,64 +356,112 @@ class DistributedTransport(Transport):
                 f"use one of {', '.join(accel.weight_update_backends)}, or leave it unset"
             )
         self.backend = backend
-        self.groups: dict[str, Any] = {}
+        self.group: Any = None
+        #: the engines of ``group``, in group-rank order
+        self.members: list[str] = []
+        self.broken = False
+        self.generation = 0
         self.staging = _Staging(device, shared=False)
 
-    def _name(self, e: Engine) -> str:
-        return f"{self.cfg.distributed.group_name}-{e.index}"
+    @property
+    def name(self) -> str:
+        base = f"{self.cfg.distributed.group_name}-{self.sender.name}"
+        return base if self.generation == 0 else f"{base}-g{self.generation}"
 
-    async def begin(self, engines: list[Engine], version: str) -> Failures:
-        async def one(e: Engine) -> None:
-            if e.url in self.groups:
-                return
-            where = self.cfg.distributed
-            port = where.master_port + e.index if where.master_port else 0
-            port = port or free_port(where.master_address)
-            args = (where.master_address, port, 0, 2, self._name(e), self.backend)
-            join = asyncio.create_task(
-                asyncio.to_thread(init_weights_update_group, *args, self.cfg.timeout_s)
+    async def begin(self, engines: list[Engine], version: str, forget: list[str]) -> Failures:
+        if set(forget) & set(self.members):
+            self.broken = True
+        return await self._ensure_group(engines)
+
+    async def _ensure_group(self, engines: list[Engine]) -> Failures:
+        urls = [e.url for e in engines]
+        if self.group is not None and not self.broken and urls == self.members:
+            return {}
+        if self.group is not None:
+            await self._leave([e for e in engines if e.url in self.members])
+            self.generation += 1
+        if not engines:
+            return {}
+        where = self.cfg.distributed
+        address = host_address() if where.master_address == "auto" else where.master_address
+        port = where.master_port + self.sender.index if where.master_port else 0
+        port = port or free_port(address)
+        world = 1 + sum(max(e.tp_size, 1) for e in engines)
+        name = self.name
+        join = asyncio.create_task(
+            asyncio.to_thread(
+                init_weights_update_group, address, port, 0, world, name, self.backend,
+                self.cfg.timeout_s,
             )
-            try:
-                await e.client.init_weights_update_group(
-                    where.master_address, port, 1, 2, self._name(e), self.backend
-                )
-            except BaseException:
-                join.cancel()
-                raise
-            self.groups[e.url] = await join
+        )  # fmt: skip
+        offsets = [1 + sum(max(x.tp_size, 1) for x in engines[:i]) for i in range(len(engines))]
 
-        return await each_engine(engines, one)
+        async def one(e: Engine, offset: int) -> None:
+            await e.client.init_weights_update_group(
+                address, port, offset, world, name, self.backend
+            )
+
+        results = await asyncio.gather(
+            *(one(e, o) for e, o in zip(engines, offsets, strict=True)), return_exceptions=True
+        )
+        failed = {
+            e.url: r for e, r in zip(engines, results, strict=True) if isinstance(r, BaseException)
+        }
+        if failed:  # the rendezvous cannot complete without them; the next bucket retries
+            join.cancel()  # with the others (the join times out on its own)
+            self.generation += 1
+            return failed
+        self.group, self.members, self.broken = await join, urls, False
+        return {}
+
+    async def _leave(self, engines: list[Engine]) -> None:
+        """Tear down the group: on the engines still there, then ours."""
+        name = self.name
+        await each_engine(engines, lambda e: e.client.destroy_weights_update_group(name))
+        with contextlib.suppress(Exception):
+            destroy_weights_update_group(self.group)
+        self.group, self.members = None, []
 
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
+        failed = await self._ensure_group(engines)
+        if failed:
+            return failed
         flat, _ = flatten_into(self.staging.get(bucket_nbytes(bucket)), bucket)
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t.dtype) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-
-        async def one(e: Engine) -> None:
-            pg = self.groups[e.url]
-            req = asyncio.create_task(
+        await asyncio.to_thread(self.ranks.acquire, self.MUTEX)
+        try:
+            reqs = [
                 e.client.update_weights_from_distributed(
-                    names, dtypes, shapes, group_name=self._name(e),
+                    names, dtypes, shapes, group_name=self.name,
                     load_format="flattened_bucket", flush_cache=False,
                 )
+                for e in engines
+            ]  # fmt: skip
+            pg = self.group
+            *answers, bcast = await asyncio.gather(
+                *reqs, asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait()),
+                return_exceptions=True,
             )  # fmt: skip
-            await asyncio.to_thread(lambda: pg.broadcast(flat, 0).wait())
-            await req
-            e.applied += 1
-
-        return await each_engine(engines, one)
+        finally:
+            self.ranks.release(self.MUTEX)
+        failures: Failures = {}
+        for e, r in zip(engines, answers, strict=True):
+            if isinstance(r, BaseException):
+                failures[e.url] = r
+            else:  # the engine answered after loading what it received
+                e.applied += 1
+        if failures or isinstance(bcast, BaseException):
+            self.broken = True
+        return failures
 
     async def end(self, engines: list[Engine]) -> None:
-        return None  # groups persist across syncs; destroyed in close()
+        return None  # the group persists across syncs; destroyed in close()
 
     async def destroy(self, engines: list[Engine]) -> None:
-        for e in engines:
-            pg = self.groups.pop(e.url, None)
-            if pg is not None:
-                with contextlib.suppress(Exception):
-                    await e.client.destroy_weights_update_group(self._name(e))
-                destroy_weights_update_group(pg)
+        if self.group is not None:
+            await self._leave([e for e in engines if e.url in self.members])
 
 
 class MooncakeTransport(Transport):
@@ -395,7 +494,7 @@ class MooncakeTransport(Transport):
             self._registered = key
         return buf
 
-    async def begin(self, engines: list[Engine], version: str) -> Failures:
+    async def begin(self, engines: list[Engine], version: str, forget: list[str]) -> Failures:
         async def one(e: Engine) -> None:
             agent = self.cfg.mooncake.agents[e.index]
             r = await self.http.get(f"{agent}/info")
@@ -407,18 +506,27 @@ class MooncakeTransport(Transport):
     async def send(self, engines: list[Engine], bucket: NamedTensors) -> Failures:
         nbytes = bucket_nbytes(bucket)
         flat, meta = flatten_into(self._source(nbytes), bucket)
-        rows = [[m.name, list(m.shape), dtype_name(m.dtype), m.start_idx, m.end_idx] for m in meta]
+        n = self.sender.count
 
         async def one(e: Engine) -> None:
+            # the agent's buffer is split in one region per sender: they write concurrently
             info = e.extra["info"]
-            if nbytes > info["size"]:
+            region = info["size"] // n
+            if nbytes > region:
                 raise RuntimeError(
-                    f"bucket of {nbytes} bytes exceeds the agent's {info['size']}-byte buffer; "
-                    "start the agent with --buffer-bytes >= sync.bucket_bytes"
+                    f"bucket of {nbytes} bytes exceeds this sender's {region}-byte region of the "
+                    f"agent's buffer ({n} senders); start the agent with --buffer-bytes >= "
+                    f"{n} x sync.bucket_bytes"
                 )
+            base = self.sender.index * region
+            rows = [
+                [m.name, list(m.shape), dtype_name(m.dtype), base + m.start_idx, base + m.end_idx]
+                for m in meta
+            ]
             rc = await asyncio.to_thread(
-                self.te.transfer_sync_write, info["session"], flat.data_ptr(), info["addr"], nbytes
-            )
+                self.te.transfer_sync_write, info["session"], flat.data_ptr(),
+                info["addr"] + base, nbytes,
+            )  # fmt: skip
             if rc != 0:
                 raise RuntimeError(f"Mooncake write to {info['session']} failed ({rc})")
             r = await self.http.post(f"{e.extra['agent']}/load", json={"metadata": rows})

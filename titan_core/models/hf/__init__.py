@@ -2,6 +2,7 @@
 
 from titan_core.models.hf.convert import (
     HFBridge,
+    SendRole,
     export_hf_weights,
     load_hf_weights,
     model_config_from_hf,
@@ -10,6 +11,7 @@ from titan_core.models.hf.convert import (
 
 __all__ = [
     "HFBridge",
+    "SendRole",
     "export_hf_weights",
     "load_hf_weights",
     "model_config_from_hf",

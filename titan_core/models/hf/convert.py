@@ -7,6 +7,9 @@
   the destination rank receives full HF tensors in buckets of at most ``bucket_bytes``;
   tensors are gathered one parameter at a time (all-gather over TP / expert-TP, all-gather over
   EP, point-to-point from other pipeline stages), so the whole model never sits in memory.
+  That is for writing one HF checkpoint; the weight sync uses :meth:`HFBridge.export_shard`,
+  where each pipeline stage's and each EP rank's source rank yields its own part, and nothing
+  crosses stages or EP ranks.
 """
 
 from __future__ import annotations
@@ -176,6 +179,63 @@ class Layout:
                 ps.get_pipeline_model_parallel_rank(),
                 ps.get_pipeline_model_parallel_group(),
             ),
+        )
+
+
+@dataclass(frozen=True)
+class SendRole:
+    """What this rank sends in :meth:`HFBridge.export_shard`.
+
+    The non-expert ("dense") parameters of a pipeline stage go from its source rank (data- and
+    context-parallel rank 0, TP rank 0), after a TP all-gather among the first replica's TP
+    ranks. Experts go from the EP rank that owns them (expert-data-parallel rank 0,
+    expert-TP rank 0), after an expert-TP all-gather; no EP gather. So the senders are, per
+    stage, the EP ranks of the first expert-data-parallel replica.
+    """
+
+    #: this rank takes part in the TP gathers of the dense parameters
+    dense_replica: bool = True
+    #: ... and sends them (the stage's source rank)
+    dense_sender: bool = True
+    #: this rank takes part in the expert-TP gathers of its experts
+    expert_replica: bool = True
+    #: ... and sends them
+    expert_sender: bool = True
+    #: pipeline stage and EP rank: they name the sender (e.g. its weight-update group)
+    stage: int = 0
+    ep_rank: int = 0
+
+    @property
+    def sends(self) -> bool:
+        return self.dense_sender or self.expert_sender
+
+    @property
+    def name(self) -> str:
+        """Unique among the senders: ``pp_{stage}`` for the stage's source rank (which may send
+        experts too), ``pp_{stage}-ep_{rank}`` for a rank that sends experts alone."""
+        return f"pp_{self.stage}" + ("" if self.dense_sender else f"-ep_{self.ep_rank}")
+
+    @staticmethod
+    def current(has_experts: bool) -> SendRole:
+        """This rank's role (every rank sends everything without parallel_state)."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return SendRole()
+        dense = (
+            ps.get_data_parallel_rank(with_context_parallel=True) == 0
+            and ps.get_context_parallel_rank() == 0
+        )
+        tp0 = ps.get_tensor_model_parallel_rank() == 0
+        expert = has_experts and ps.get_expert_data_parallel_rank() == 0
+        etp0 = ps.get_expert_tensor_parallel_rank() == 0
+        return SendRole(
+            dense_replica=dense,
+            dense_sender=dense and tp0,
+            expert_replica=expert,
+            expert_sender=expert and etp0,
+            stage=ps.get_pipeline_model_parallel_rank(),
+            ep_rank=ps.get_expert_model_parallel_rank() if has_experts else 0,
         )
 
 
@@ -374,8 +434,15 @@ class HFBridge:
         return [full]
 
     def _materialize(
-        self, item: _Item, layout: Layout, chunks: list[Any], out: Alloc | None = None
+        self,
+        item: _Item,
+        layout: Layout,
+        chunks: list[Any],
+        out: Alloc | None = None,
+        gather_ep: bool = True,
     ) -> NamedTensors:
+        """The full HF tensors of ``item``: TP-gathered; an expert's also EP-gathered (every
+        rank's copy of this local expert) unless ``gather_ep`` is False (this rank's alone)."""
         bufs = None
         if out is not None and item.rule.kind == "qkv" and not item.expert:
             bufs = [out(n, torch.Size(s)) for n, s in self._meta(item, layout, chunks)]
@@ -385,12 +452,12 @@ class HFBridge:
         per_rank = self._num_local_experts(item, chunks)
         out: NamedTensors = []
         per_ep: list[list[torch.Tensor]] = [tensors]
-        if layout.ep.size > 1:
+        if layout.ep.size > 1 and gather_ep:
             per_ep = [[torch.empty_like(t) for t in tensors] for _ in range(layout.ep.size)]
             for j, t in enumerate(tensors):
                 dist.all_gather([r[j] for r in per_ep], t.contiguous(), group=layout.ep.group)
         for r, ts in enumerate(per_ep):
-            e = (r if layout.ep.size > 1 else layout.ep.rank) * per_rank + item.local_expert
+            e = (r if len(per_ep) > 1 else layout.ep.rank) * per_rank + item.local_expert
             out.extend(zip(self._hf_names(item, e), ts, strict=True))
         return out
 
@@ -454,6 +521,7 @@ class HFBridge:
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         param_dtype = items[0].param.dtype if items else torch.float32
+        device = items[0].param.device if items else torch.device("cpu")
         out_dtype = dtype or param_dtype
         local_meta = [self._meta(i, layout, chunks) for i in items]
         if layout.pp.size > 1:
@@ -485,7 +553,8 @@ class HFBridge:
                             dist.send(t.contiguous(), dst)
                 elif rank == dst:
                     for n, shape in meta:
-                        t = torch.empty(shape, dtype=out_dtype)
+                        # on the parameters' device: NCCL/MCCL cannot receive into CPU memory
+                        t = torch.empty(shape, dtype=out_dtype, device=device)
                         dist.recv(t, pp_ranks[stage])
                         got.append((n, t))
                 for n, t in got:
@@ -495,6 +564,69 @@ class HFBridge:
                         bucket, size = [], 0
                     bucket.append((n, t))
                     size += nbytes
+        if bucket:
+            yield bucket
+
+    def has_experts(self) -> bool:
+        return bool(self.model_cfg.num_moe_experts)
+
+    @torch.no_grad()
+    def export_shard(
+        self,
+        chunks: list[Any],
+        bucket_bytes: int = 512 << 20,
+        dtype: torch.dtype | None = None,
+        views: bool = False,
+        out: Callable[[str, torch.Size, torch.dtype], torch.Tensor] | None = None,
+    ) -> Iterator[NamedTensors]:
+        """This rank's part of the model as full HF tensors, bucket by bucket (see
+        :class:`SendRole`): a stage's source rank yields the stage's dense tensors (and its
+        experts), an EP rank of the first expert-data-parallel replica its own experts, every
+        other rank nothing. Every rank must iterate the generator to the end (the TP and
+        expert-TP gathers run inside it); no tensor crosses a stage or an EP rank, so a rank
+        holds at most its stage's share plus one bucket. ``views``, ``out``: as :meth:`export`.
+        """
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        layout = Layout.current()
+        role = SendRole.current(self.has_experts())
+        items = self._items(chunks, layout)
+        if self.tied:  # the output layer on the last stage is a copy of the embedding
+            has_embedding = any(i.mname == EMBEDDING[0] for i in items)
+            items = [i for i in items if not (i.mname == OUTPUT[0] and has_embedding)]
+            if layout.pp.size > 1:
+                items = [i for i in items if i.mname != OUTPUT[0]]
+        out_dtype = dtype or (items[0].param.dtype if items else torch.float32)
+        alloc: Alloc | None = None
+        if out is not None:
+
+            def alloc(name: str, shape: torch.Size) -> torch.Tensor:
+                return out(name, shape, out_dtype)
+
+        bucket: NamedTensors = []
+        size = 0
+        for item in items:
+            replica, sender = (
+                (role.expert_replica, role.expert_sender)
+                if item.expert
+                else (role.dense_replica, role.dense_sender)
+            )
+            if not replica:
+                continue
+            named = self._materialize(
+                item, layout, chunks, alloc if sender else None, gather_ep=False
+            )
+            if not sender:  # took part in the gather
+                continue
+            for n, t in named:
+                t = t.to(out_dtype)
+                t = t if views else t.contiguous()
+                nbytes = t.numel() * t.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append((n, t))
+                size += nbytes
         if bucket:
             yield bucket
 
