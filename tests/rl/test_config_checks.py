@@ -82,12 +82,6 @@ def test_a_hand_started_group_resolves_on_the_driver():
 @pytest.mark.parametrize(
     "make, needle",
     [
-        (lambda: plan_placement(_cfg("engines.tp_size=2"), "cpu", None, None),
-         "engines.tp_size=2: the built-in engine runs one process"),
-        (lambda: EngineServerConfig(model_path="m", backend="builtin", tp_size=2),
-         "tp_size=2: the built-in engine runs one process"),
-        (lambda: EngineServerConfig(model_path="m", tp_size=2).launch("cpu"),
-         "tp_size=2: the built-in engine runs one process"),
         (lambda: EngineServerConfig(model_path="m", backend="sglang").launch("cpu"),
          "backend=sglang: SGLang needs a cuda or musa accelerator"),
     ],

@@ -137,7 +137,6 @@ def test_dry_run_plan_on_this_machine():
         (["trainer_processes=2", "parallel.pipeline_model_parallel_size=2", "model.num_layers=3"], "model.num_layers (3)"),
         (["trainer_processes=4"], "rollout.prompts_per_step x n_samples_per_prompt (256)"),
         (["engines.colocate=true", "engines.num_engines=2", "engines.router=true"], "engines.colocate=true: engines.num_engines x engines.tp_size"),
-        (["engines.tp_size=2"], "engines.tp_size=2: the built-in engine"),
         (["ray.num_cpus=1"], "only 1 are available (ray.num_cpus)"),
     ],
 )  # fmt: skip

@@ -100,12 +100,12 @@ def test_typed_config_names_the_bad_key(tmp_path: Path) -> None:
             None,
             ["num_engines=2", "server.model_path=/m", "server.port=30000"],
         )
-    with pytest.raises(ConfigError, match="tp_size 1"):
-        load_config(
-            RolloutEnginesConfig,
-            None,
-            ["server.model_path=/m", "server.backend=builtin", "server.tp_size=2"],
-        )
+    tp2 = load_config(  # the built-in engine runs tensor parallel too
+        RolloutEnginesConfig,
+        None,
+        ["server.model_path=/m", "server.backend=builtin", "server.tp_size=2"],
+    )
+    assert tp2.server.tp_size == 2
 
 
 def test_engine_cli_rejects_tp_size(tiny_model: Path) -> None:
@@ -117,14 +117,16 @@ def test_engine_cli_rejects_tp_size(tiny_model: Path) -> None:
             "--model-path",
             str(tiny_model),
             "--tp-size",
-            "2",
+            "3",
         ],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "PYTHONPATH": str(Path.cwd())},
     )
-    assert proc.returncode != 0 and "--tp-size 2" in proc.stderr and "tp_size 1" in proc.stderr
+    assert (
+        proc.returncode != 0 and "--tp-size 3" in proc.stderr and "4 attention heads" in proc.stderr
+    )
 
 
 @pytest.mark.slow

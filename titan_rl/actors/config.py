@@ -33,11 +33,6 @@ def engine_problem(backend: str, tp_size: int, device: str | None) -> tuple[str,
     """What stops ``backend`` from serving ``tp_size``-way on ``device`` (None: not known yet):
     (the setting at fault, why and what to do), or None. The one place these rules live; the
     caller names the key in its own terms (``engines.tp_size``, ``--tp-size``, ...)."""
-    if backend == "builtin" and tp_size != 1:
-        return "tp_size", (
-            "the built-in engine runs one process (tp_size 1); use SGLang on GPUs for tensor "
-            "parallelism, or start several engines behind the router"
-        )
     if backend == "sglang" and device == "cpu":
         return "backend", (
             "SGLang needs a cuda or musa accelerator and this machine's is cpu (SGLang's CPU "

@@ -48,6 +48,8 @@ def build_command(launch: EngineLaunch, port: int) -> list[str]:
             cmd += ["--enable-return-routed-experts"]
     else:
         cmd = [sys.executable, "-m", "titan_rl.engine", *common]
+        if launch.tp_size > 1:
+            cmd += ["--tp-size", str(launch.tp_size)]
         if launch.num_threads:
             cmd += ["--num-threads", str(launch.num_threads)]
     return cmd + list(launch.extra_args)

@@ -70,12 +70,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads of the engine, shared by its TP ranks (default: torch's)",
+    )
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--tp-size", "--tp", type=int, default=1, dest="tp_size")
+    p.add_argument(
+        "--tp-size",
+        "--tp",
+        type=int,
+        default=1,
+        dest="tp_size",
+        help="tensor parallel ranks: this process and N-1 workers, each holding a shard of the "
+        "model, over gloo on 127.0.0.1",
+    )
     p.add_argument("--dp-size", "--dp", type=int, default=1, dest="dp_size")
     p.add_argument("--device", default="cpu")
     return p
@@ -85,6 +98,8 @@ def validate(args: argparse.Namespace) -> None:
     """Reject what the CPU engine cannot do, with the fix in the message."""
     from titan_rl.actors.config import engine_problem
 
+    if args.tp_size < 1:
+        raise SystemExit(f"--tp-size {args.tp_size} must be at least 1")
     if (problem := engine_problem("builtin", args.tp_size, None)) is not None:
         raise SystemExit(f"--tp-size {args.tp_size}: {problem[1]}")
     if args.dp_size != 1:
@@ -162,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             random_seed=args.random_seed,
             load_tokenizer=not args.skip_tokenizer_init,
             max_queued_requests=args.max_queued_requests,
+            tp_size=args.tp_size,
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

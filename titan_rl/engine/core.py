@@ -5,7 +5,9 @@ aborts, pauses) and admits new requests: each group of equal-length prompts is p
 together (no padding), and its KV cache is merged into the running batch, which is kept
 left-padded with a 2D attention mask and explicit per-row position ids. Every decode step
 runs all active requests in one forward. Rows leave as they finish; columns that are padding
-for every remaining row are trimmed.
+for every remaining row are trimmed. The model and its cache live in a
+:class:`~titan_rl.engine.runner.ModelRunner`; with ``tp_size`` N > 1 this process is TP rank 0
+and every runner operation is first sent to the N-1 workers (:mod:`titan_rl.engine.tp`).
 
 Waiting requests are admitted fairly (deficit round-robin, :data:`FAIR_QUANTUM` sequences a
 turn), so a short request waits for a turn per queued request, not behind all their sequences;
@@ -29,9 +31,12 @@ from typing import Any
 import torch
 
 from titan_core.models.hf.families import FAMILIES
-from titan_rl.engine.routing import RoutingRecorder, encode_routed_experts
+from titan_rl.engine.routing import encode_routed_experts
+from titan_rl.engine.runner import NamedTensors, build_runner, load_model
 from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
-from titan_rl.engine.weights import checkpoint_tensors
+from titan_rl.engine.tp_comm import Comm, threads_per_rank
+from titan_rl.engine.tp_shard import check_tp
+from titan_rl.engine.tp_sources import Source
 
 log = logging.getLogger("titan_rl.engine")
 
@@ -99,14 +104,6 @@ def _rid_matches(seq_rid: str, rid: str | None) -> bool:
     return seq_rid.startswith(prefix) and seq_rid[len(prefix) :].isdigit()
 
 
-def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    if n == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = n
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
 class Engine:
     """Loads the model and serves generation and weight updates from one thread."""
 
@@ -122,14 +119,17 @@ class Engine:
         random_seed: int = 0,
         load_tokenizer: bool = True,
         max_queued_requests: int | None = None,
+        tp_size: int = 1,
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         path = Path(model_path)
         if not path.is_dir():
             raise ValueError(
                 f"--model-path {model_path!r} is not a local directory; the CPU engine never downloads"
             )
+        if tp_size > 1:  # the engine's threads are shared by its TP ranks
+            num_threads = threads_per_rank(num_threads, tp_size)
         if num_threads:
             torch.set_num_threads(num_threads)
         config = AutoConfig.from_pretrained(str(path))
@@ -144,18 +144,27 @@ class Engine:
             t != "full_attention" for t in layer_types
         ):
             raise ValueError("sliding-window attention layers are not supported by the CPU engine")
-        torch_dtype = {
-            "auto": "auto",
-            "float32": torch.float32,
-            "bfloat16": torch.bfloat16,
-            "float16": torch.float16,
-        }[dtype]
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
-        self.model.eval()
-        self.model.requires_grad_(False)
+        check_tp(config, tp_size)
+        self.tp_size = tp_size
+        #: the TP workers (ranks 1..N-1), started before this rank loads its own shard
+        self.tp = None
+        if tp_size > 1:
+            from titan_rl.engine.tp import TPLeader
+
+            self.tp = TPLeader(str(path), dtype, tp_size, torch.get_num_threads())
+        try:
+            comm = Comm()
+            self.runner = build_runner(load_model(str(path), dtype), 0, tp_size, comm)
+            if self.tp is not None:
+                self.tp.connect(self.runner, comm)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
+        self.model = self.runner.model
         self.config = self.model.config
         #: the experts each token is routed to, recorded for requests that ask for them
-        self.routing = RoutingRecorder(self.model)
+        self.routing = self.runner.routing
         self.model_path = str(path)
         self.vocab_size = int(self.config.vocab_size)
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
@@ -167,9 +176,6 @@ class Engine:
         self.weight_version = weight_version
         self.eos_ids = self._eos_ids()
         self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
-        # HF checkpoint names -> the model's tensors (per-expert names onto fused experts)
-        self._targets, self._fused = checkpoint_tensors(self.model)
-        self._param_names = set(self._targets) - set(self._fused.values())
         self._default_gen = torch.Generator().manual_seed(random_seed)
 
         self._pending: deque[_Waiting] = deque()  # round-robin order
@@ -183,12 +189,8 @@ class Engine:
         self.released_tags: set[str] = set()
         self.memory_releases = 0
         self.memory_resumes = 0
-        self._released_shapes: dict[int, torch.Size] = {}
-        # batch state (engine thread only)
+        # batch state (engine thread only); its KV cache is the runner's, row for row
         self.active: list[Sequence] = []
-        self._cache: Any = None
-        self._mask: torch.Tensor | None = None  # [B, T] long
-        self._pos: torch.Tensor | None = None  # [B] next position per row
         self._rids: set[str] = set()
         self.steps = 0
         self.generated_tokens = 0
@@ -223,7 +225,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and (self.tp is None or self.tp.alive)
 
     @property
     def released(self) -> bool:
@@ -313,6 +315,21 @@ class Engine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self.tp is not None:
+            self.tp.close()
+
+    # ---- the runner (engine thread) -------------------------------------------------------
+    def _op(self, name: str, *args: Any, workers: tuple[Any, ...] | None = None) -> Any:
+        """Run a runner operation: on the TP workers first (with ``workers`` as their
+        arguments where given), then here."""
+        if self.tp is None:
+            return getattr(self.runner, name)(*args)
+        self.tp.send(name, *(args if workers is None else workers))
+        try:
+            return getattr(self.runner, name)(*args)
+        except BaseException as e:  # the workers ran it: the ranks no longer agree
+            self.tp.fail(f"rank 0 failed in {name}: {type(e).__name__}: {e}")
+            raise
 
     # ---- commands (engine thread) -------------------------------------------------------
     def abort(
@@ -380,7 +397,11 @@ class Engine:
                 fut.set_exception(e)
 
     def _reset_batch(self) -> None:
-        self.active, self._cache, self._mask, self._pos = [], None, None, None
+        self.active = []
+        try:
+            self._op("reset")
+        except Exception:  # TP workers gone: nothing left to reset there (alive is False)
+            log.exception("resetting the batch failed")
 
     def _finish(self, s: Sequence) -> None:
         s.finished_at = time.perf_counter()
@@ -443,24 +464,14 @@ class Engine:
                             seq.finish_reason = {"type": "abort", "message": seq.error}
                             self._finish(seq)
 
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.config)
-
     def _prefill(self, seqs: list[Sequence]) -> None:
-        length = len(seqs[0].prompt)
         ids = torch.tensor([s.prompt for s in seqs], dtype=torch.long)
         want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
-        cache = self._new_cache()
-        out = self._forward(
-            seqs,
-            input_ids=ids,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=0 if any(want_input) else 1,
-        )
-        logits = out.logits
+        record = any(s.return_routed_experts for s in seqs)
+        keep_logits = 0 if any(want_input) else 1
+        # the workers' logits are not used: they compute only the last position's
+        logits, routed = self._op("prefill", ids, keep_logits, record, workers=(ids, 1, False))
+        self._take_routed(seqs, routed)
         for j, s in enumerate(seqs):
             if want_input[j]:
                 s.input_logprobs = self._input_logprobs(s, logits[j])
@@ -471,32 +482,24 @@ class Engine:
                 s.finish_reason = {"type": "length", "length": 0}
                 self._finish(s)
         if not live:
+            self._op("keep_prefill", [])
             return
         last = last[live]
         seqs = [seqs[j] for j in live]
         tokens = self._next_tokens(last, seqs)
-        kv = [(layer.keys[live], layer.values[live]) for layer in cache.layers]
         keep = [j for j, s in enumerate(seqs) if not self._append(s, int(tokens[j]))]
-        if not keep:
-            return
-        kv = [(k[keep], v[keep]) for k, v in kv]
-        mask = torch.ones(len(keep), length, dtype=torch.long)
-        pos = torch.full((len(keep),), length, dtype=torch.long)
-        self._merge([seqs[j] for j in keep], kv, mask, pos)
+        # the kept rows of the prefill's cache join the running batch (left-padded)
+        self._op("keep_prefill", [live[j] for j in keep])
+        self.active.extend(seqs[j] for j in keep)
 
-    def _forward(self, seqs: list[Sequence], input_ids: torch.Tensor, **kw: Any) -> Any:
-        """One model forward; the rows of ``seqs`` that asked for routed experts get theirs."""
-        if not any(s.return_routed_experts for s in seqs):
-            return self.model(input_ids=input_ids, **kw)
-        self.routing.start()
-        try:
-            out = self.model(input_ids=input_ids, **kw)
-        finally:
-            routed = self.routing.stop(*input_ids.shape)
+    @staticmethod
+    def _take_routed(seqs: list[Sequence], routed: torch.Tensor | None) -> None:
+        """The rows of ``seqs`` that asked for routed experts get theirs from a forward."""
+        if routed is None:
+            return
         for s, rows in zip(seqs, routed, strict=True):
             if s.return_routed_experts:
                 s.routed.append(rows.clone())  # not a view keeping the batch's alive
-        return out
 
     def _input_logprobs(self, s: Sequence, logits: torch.Tensor) -> list[list[Any]]:
         temp = s.params.temperature if s.params.temperature >= GREEDY_EPS else 1.0
@@ -508,51 +511,15 @@ class Engine:
         ]
         return full[s.logprob_start_len :]
 
-    def _merge(
-        self,
-        seqs: list[Sequence],
-        kv: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
-        pos: torch.Tensor,
-    ) -> None:
-        if not self.active:
-            self._cache = self._new_cache()
-            for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
-                layer.update(k.contiguous(), v.contiguous())
-            self.active, self._mask, self._pos = list(seqs), mask, pos
-            return
-        t_old, t_new = self._mask.shape[1], mask.shape[1]
-        width = max(t_old, t_new)
-        for layer, (k, v) in zip(self._cache.layers, kv, strict=True):
-            layer.keys = torch.cat(
-                [_pad_left(layer.keys, width - t_old, 2), _pad_left(k, width - t_new, 2)]
-            )
-            layer.values = torch.cat(
-                [_pad_left(layer.values, width - t_old, 2), _pad_left(v, width - t_new, 2)]
-            )
-        self._mask = torch.cat(
-            [_pad_left(self._mask, width - t_old, 1), _pad_left(mask, width - t_new, 1)]
-        )
-        self._pos = torch.cat([self._pos, pos])
-        self.active.extend(seqs)
-
     # ---- decode ---------------------------------------------------------------------------
     def _decode_step(self) -> None:
         bsz = len(self.active)
         ids = torch.tensor([[s.output_ids[-1]] for s in self.active], dtype=torch.long)
-        mask = torch.cat([self._mask, torch.ones(bsz, 1, dtype=torch.long)], dim=1)
-        out = self._forward(
-            self.active,
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=self._pos.unsqueeze(1),
-            cache=self._cache,
-            use_cache=True,
-        )
-        self._mask = mask
-        self._pos = self._pos + 1
+        record = any(s.return_routed_experts for s in self.active)
+        last, routed = self._op("decode", ids, record, workers=(ids, False))
+        self._take_routed(self.active, routed)
         self.steps += 1
-        tokens = self._next_tokens(out.logits[:, -1, :], self.active)
+        tokens = self._next_tokens(last, self.active)
         keep = [i for i, s in enumerate(self.active) if not self._append(s, int(tokens[i]))]
         if len(keep) != bsz:
             self._select_rows(keep)
@@ -561,15 +528,7 @@ class Engine:
         if not keep:
             self._reset_batch()
             return
-        idx = torch.tensor(keep, dtype=torch.long)
-        mask = self._mask[idx]
-        # drop columns that are padding for every remaining row
-        lead = int((mask.cumsum(dim=1) == 0).sum(dim=1).min())
-        for layer in self._cache.layers:
-            layer.keys = layer.keys[idx, :, lead:]
-            layer.values = layer.values[idx, :, lead:]
-        self._mask = mask[:, lead:]
-        self._pos = self._pos[idx]
+        self._op("select_rows", keep)
         self.active = [self.active[i] for i in keep]
 
     # ---- sampling -------------------------------------------------------------------------
@@ -695,66 +654,77 @@ class Engine:
         self.memory_resumes += 1
 
     def weight_bytes(self) -> int:
-        """Bytes the parameters hold now (0 while the weights are released)."""
-        # parameters() lists a tied parameter once
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes the parameters of this process hold now (0 while the weights are released)."""
+        return self.runner.weight_bytes()
 
     def _release_weights(self) -> None:
-        self._targets = {
-            n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in self._targets.items()
-        }  # the real views would keep the storages alive
-        self._released_shapes = {}
-        for p in self.model.parameters():
-            self._released_shapes[id(p)] = p.shape
-            p.data = torch.empty(0, dtype=p.dtype)
+        self._op("release_weights")
 
     def _resume_weights(self) -> None:
-        for p in self.model.parameters():
-            p.data = torch.full(self._released_shapes[id(p)], float("nan"), dtype=p.dtype)
-        self._released_shapes = {}
-        self._targets, self._fused = checkpoint_tensors(self.model)
+        self._op("resume_weights")
 
     # ---- weights (engine thread, via call()) ----------------------------------------------
-    def load_named_tensors(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy tensors into the model by HF parameter name; all names are checked first.
-
-        Names are the HF checkpoint's: per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.
-        land in the slices of the model's fused expert tensors (transformers >= 5); the fused
-        names themselves are accepted too.
-        """
+    def _check_not_released(self) -> None:
         if "weights" in self.released_tags:
             raise RequestError(
                 "the weights are released; call /resume_memory_occupation with tags "
                 "['weights'] before updating them"
             )
-        for name, t in named:
-            target = self._targets.get(name)
-            if target is None:
-                raise RequestError(f"unknown parameter {name!r}; names must be the HF checkpoint's")
-            if tuple(target.shape) != tuple(t.shape):
-                raise RequestError(
-                    f"parameter {name!r} has shape {tuple(target.shape)}, got {tuple(t.shape)}"
-                )
-        for name, t in named:
-            self._targets[name].copy_(t)
-        return len(named)
+
+    def load_named_tensors(self, named: NamedTensors) -> int:
+        """Copy tensors into the model by HF parameter name; all names are checked first.
+
+        Names are the HF checkpoint's: per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.
+        land in the slices of the model's fused expert tensors (transformers >= 5); the fused
+        names themselves are accepted too. Tensors are whole; each TP rank keeps its shard.
+        """
+        self._check_not_released()
+        if self.tp is not None:
+            return self.tp.load(named)
+        return self.runner.load(named)
+
+    def update_weights(
+        self, source: Source, own: Callable[[], NamedTensors], new_version: bool = False
+    ) -> int:
+        """Apply a weight update: this rank's full tensors come from ``own`` (called here, on
+        the engine thread), each TP worker's from ``source``; all ranks load it or none."""
+        self._check_not_released()
+        if self.tp is None:
+            return self.runner.load(own())
+        return self.tp.update(source, own, new_version)
+
+    def join_weight_group(self, *args: Any) -> Any:
+        """Every TP rank joins the trainer's weight-update group (engine thread; TP only)."""
+        assert self.tp is not None
+        return self.tp.join_group(*args)
+
+    def destroy_weight_group(self, group_name: str) -> None:
+        """Every TP worker leaves the group ``group_name`` (rank 0's is the caller's)."""
+        if self.tp is not None:
+            self.tp.destroy_group(group_name)
 
     def param_names(self) -> set[str]:
         """The names a full HF checkpoint of the model holds (per-expert for MoE experts)."""
-        return set(self._param_names)
+        return self.runner.param_names()
 
     def knows(self, name: str) -> bool:
         """Whether a weight update may name ``name`` (a checkpoint name or a fused one)."""
-        return name in self._targets
+        return self.runner.knows(name)
 
     def missing_params(self, names: set[str]) -> set[str]:
         """Checkpoint names not covered by ``names`` (a fused tensor covers its experts)."""
-        return {n for n in self._param_names if n not in names and self._fused.get(n) not in names}
+        return self.runner.missing_params(names)
 
     def tensor(self, name: str) -> torch.Tensor | None:
-        """The model's tensor (or expert slice) under an HF name, or None (a meta tensor
-        while the weights are released)."""
-        return self._targets.get(name)
+        """This process's tensor (or expert slice; with TP its shard) under an HF name, or
+        None (a meta tensor while the weights are released)."""
+        return self.runner.tensor(name)
+
+    def full_tensor(self, name: str) -> torch.Tensor | None:
+        """The whole checkpoint tensor under an HF name, at any TP (engine thread)."""
+        if self.tp is None:
+            return self.runner.tensor(name)
+        return self.tp.full_tensor(name)
 
 
 def sequence_result(s: Sequence) -> dict[str, Any]:

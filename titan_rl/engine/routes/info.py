@@ -69,7 +69,7 @@ async def get_server_info(state: State) -> ORJSONResponse:
             **model_info(state),
             "engine": "titan_rl.engine",
             "device": "cpu",
-            "tp_size": 1,
+            "tp_size": engine.tp_size,
             "dp_size": 1,
             "context_length": engine.context_length,
             "max_running_requests": engine.max_running,

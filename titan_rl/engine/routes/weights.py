@@ -2,6 +2,11 @@
 
 Replies are SGLang's ``{"success": bool, "message": str}``: a malformed body is a 400 in the
 error shape, an update the engine refuses a 400 with ``success: false``.
+
+With ``--tp-size N`` every update reaches every TP rank as SGLang's do: a tensor update carries
+one entry per rank (rank k decodes entry k), every rank reads a disk checkpoint itself, and
+every rank joins a weight-update group (as ``rank_offset + k``) and receives its broadcasts.
+Each rank keeps its shard of the full HF tensors; ``/get_weights_by_name`` answers the whole one.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated
 
+import torch
 from fastapi import APIRouter, Depends
 
 from titan_rl.engine.core import Engine
@@ -23,6 +29,7 @@ from titan_rl.engine.io_struct import (
 )
 from titan_rl.engine.routes.common import HTTPError, ORJSONResponse, body, fail, ok
 from titan_rl.engine.state import State
+from titan_rl.engine.tp_sources import FromDisk, FromGroup, FromTensor
 from titan_rl.engine.validation import RequestError
 from titan_rl.engine.weights import (
     decode_tensor_payload,
@@ -67,7 +74,7 @@ async def update_weights_from_disk(
     named = [(n, t) for n, t in tensors.items() if engine.knows(n)]
 
     def apply() -> int:
-        n = engine.load_named_tensors(named)
+        n = engine.update_weights(FromDisk(path), lambda: named)
         engine.model_path = path
         _bump(engine, req.weight_version)
         return n
@@ -94,16 +101,19 @@ async def update_weights_from_tensor(
             f"load_format {req.load_format!r} is not supported; "
             "use null, 'direct' or 'flattened_bucket'"
         )
-    if len(payloads) != 1:
+    if len(payloads) != engine.tp_size:
         return fail(
-            f"got {len(payloads)} serialized_named_tensors entries; this engine has tp_size 1"
+            f"got {len(payloads)} serialized_named_tensors entries; this engine has tp_size "
+            f"{engine.tp_size}: send one entry per TP rank"
         )
     try:
         named = await asyncio.to_thread(decode_tensor_payload, payloads[0], req.load_format)
         state.mapped.add(named)
+        workers = FromTensor(payloads, req.load_format)
+        new_version = req.weight_version is not None
 
         def apply() -> int:
-            n = engine.load_named_tensors(named)
+            n = engine.update_weights(workers, lambda: named, new_version)
             _bump(engine, req.weight_version)
             return n
 
@@ -124,16 +134,19 @@ async def init_weights_update_group(
         return fail(f"weight update group {req.group_name!r} already exists; destroy it first")
     if not 0 < req.master_port < 65536 or req.world_size < 2:
         return fail("master_port must be a TCP port and world_size at least 2 (trainer + engine)")
+    args = (
+        req.master_address,
+        req.master_port,
+        req.rank_offset,
+        req.world_size,
+        req.group_name,
+        req.backend,
+    )
     try:
-        pg = await asyncio.to_thread(
-            join_weight_update_group,
-            req.master_address,
-            req.master_port,
-            req.rank_offset,
-            req.world_size,
-            req.group_name,
-            req.backend,
-        )
+        if state.engine.tp_size == 1:
+            pg = await asyncio.to_thread(join_weight_update_group, *args)
+        else:  # every TP rank joins, in lockstep with the engine's other commands
+            pg = await state.on_engine(lambda: state.engine.join_weight_group(*args))
     except RequestError as e:
         return fail(str(e))
     except Exception as e:
@@ -169,14 +182,18 @@ async def update_weights_from_distributed(
             f"no weight update group {req.group_name!r}; call /init_weights_update_group first"
         )
     unknown = [n for n in names if not engine.knows(n)]
+    workers = FromGroup(req.group_name, names, dtypes, shapes, req.load_format)
 
-    def apply() -> int:
+    def receive() -> list[tuple[str, torch.Tensor]]:
         named = receive_broadcast(pg, names, dtypes, shapes, req.load_format)
         if unknown:  # received (so the sender is not stuck) but rejected
             raise RequestError(
                 f"unknown parameter {unknown[0]!r}; names must be the HF checkpoint's"
             )
-        n = engine.load_named_tensors(named)
+        return named
+
+    def apply() -> int:
+        n = engine.update_weights(workers, receive)
         _bump(engine, req.weight_version)
         return n
 
@@ -203,6 +220,8 @@ async def destroy_weights_update_group(
     from titan_rl.wire.group import destroy_weights_update_group as destroy
 
     destroy(pg)
+    if state.engine.tp_size > 1:
+        await state.on_engine(lambda: state.engine.destroy_weight_group(req.group_name))
     return ok("Succeeded to destroy custom process group.")
 
 
@@ -227,9 +246,10 @@ async def get_weights_by_name(
     state: State,
 ) -> ORJSONResponse:
     engine = state.engine
-    tensor = engine.tensor(req.name)
-    if tensor is None:
+    if not engine.knows(req.name):
         raise HTTPError(400, f"unknown parameter {req.name!r}")
     if "weights" in engine.released_tags:
         raise HTTPError(400, "the weights are released; resume_memory_occupation first")
+    # the whole tensor (put together from the TP ranks' shards), read between steps
+    tensor = await state.on_engine(lambda: engine.full_tensor(req.name))
     return ORJSONResponse(tensor.flatten()[: req.truncate_size].float().tolist())
