@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveInt, ValidationError, model_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from titan_core.config import ConfigError, Section
 from titan_core.config.pretrain import (
@@ -70,6 +70,21 @@ class RolloutConfig(Section):
     #: ``--enable-return-routed-experts``); each sample carries them in
     #: ``rollout_routed_experts``. MoE models only (a dense model's engine refuses it).
     return_routed_experts: bool = False
+    #: the rollout hook, ``"module:function"`` (or ``"path/to/file.py:function"``):
+    #: ``async fn(ctx, sample, sampling_params) -> Sample | list[Sample]``, called once per
+    #: sample (n=1, a sampling seed each), or once per prompt (n = n_samples_per_prompt) when
+    #: decorated with ``titan_rl.rollout.hooks.per_group``; e.g. a multi-turn rollout with
+    #: tools (titan_rl.rollout.multiturn). None: the built-in single-turn rollout.
+    generate_fn: str | None = None
+
+    @field_validator("generate_fn")
+    @classmethod
+    def _check_generate_fn(cls, v: str | None) -> str | None:
+        if v is not None:
+            from titan_rl.rollout.hooks import split_spec
+
+            split_spec(v)  # its form; importing it is preflight's (check_generate_fn)
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:

@@ -91,6 +91,19 @@ def check_reward(cfg: RewardConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_generate_fn(cfg: GRPOConfig) -> None:
+    """Import ``rollout.generate_fn`` now, so a missing module or a function that is not
+    async is a ConfigError naming the key before anything starts."""
+    if cfg.rollout.generate_fn is None:
+        return
+    from titan_rl.rollout.hooks import load_generate_fn
+
+    try:
+        load_generate_fn(cfg.rollout.generate_fn)
+    except ValueError as e:  # the message names rollout.generate_fn
+        raise ConfigError(str(e)) from None
+
+
 def check_config(cfg: GRPOConfig) -> None:
     """Everything of ``cfg`` beyond its own validation: the base checkpoint, the run folder,
     the reward function, the placement (what ``--dry-run`` prints)."""
@@ -99,6 +112,7 @@ def check_config(cfg: GRPOConfig) -> None:
     check_base_matches(cfg)
     check_base_dir(cfg)
     check_reward(cfg.reward)
+    check_generate_fn(cfg)
     machine_plan(cfg, launching=False)
 
 

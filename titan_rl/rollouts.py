@@ -94,10 +94,11 @@ class Rollouts:
         return result
 
     async def evaluate(self, client: EngineClient) -> float:
-        """Greedy accuracy on the held-out prompts."""
+        """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set)."""
         from titan_rl.rollout.generate import evaluate
 
         return await self._watched(evaluate(
             client, self.eval_prompts, self.encode, self.decode,
             self.cfg.rollout.max_response_len, self.stop_ids, self.reward, self.versions(),
+            cfg=self.cfg.rollout,
         ))  # fmt: skip

@@ -30,6 +30,9 @@ class Sample:
     response: str = ""
     response_tokens: list[int] = field(default_factory=list)
     rollout_log_probs: list[float] = field(default_factory=list)
+    #: one per response token: 1 trained, 0 fed to the model but not trained (an
+    #: environment's or a tool's reply in a multi-turn rollout); None: every token is trained
+    loss_mask: list[int] | None = None
     reward: float = 0.0
     #: the reward judged the answer right (None: not judged)
     correct: bool | None = None
@@ -37,6 +40,8 @@ class Sample:
     #: the weight version the engine generated it with (SGLang's meta_info.weight_version);
     #: the rollout refuses or counts one the policy does not expect (rollout.on_stale_version)
     weight_version: str = ""
+    #: the prompt's metadata; a multi-turn rollout adds ``turns``, ``tool_calls`` and
+    #: ``stop_reason`` (titan_rl.rollout.multiturn)
     metadata: dict[str, Any] = field(default_factory=dict)
     #: the experts the engine routed each token to, int32 ``[len(tokens) - 1, num_layers,
     #: top_k]`` (the last token is never fed); None unless ``rollout.return_routed_experts``

@@ -34,8 +34,6 @@ _SHORT.maxstring = _SHORT.maxother = 60
 M = TypeVar("M", bound=BaseModel)
 
 
-
-
 def invalid(message: str) -> PydanticCustomError:
     """An error to raise in a validator; the message is shown as written."""
     # passed as context, so braces in user input are not read as a template

@@ -15,7 +15,10 @@ class RLBatch:
     ``labels = tokens[:, 1:]``: position t scores token t+1."""
 
     tokens: torch.Tensor  # [B, L] int64
-    response_mask: torch.Tensor  # [B, L-1] float (1 on trained response tokens)
+    #: [B, L-1] float: 1 on trained response tokens (0 on the prompt, padding, FAILED
+    #: samples and response tokens whose ``Sample.loss_mask`` is 0); every loss term, the
+    #: advantages and the rollout correction count only these
+    response_mask: torch.Tensor
     rollout_logprobs: torch.Tensor  # [B, L-1] float (0 off the response)
     rewards: torch.Tensor  # [B]
     #: per-sequence advantages [B], computed by the caller (slime/miles hand rewards already
@@ -65,11 +68,25 @@ def pack_samples(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -
         tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         p, r = len(s.prompt_tokens), s.response_length
         if r and s.status != Status.FAILED:  # FAILED (e.g. an invalid reward): no loss
-            mask[i, p - 1 : p - 1 + r] = 1.0
+            mask[i, p - 1 : p - 1 + r] = loss_mask(s)
             if len(s.rollout_log_probs) == r:
                 rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs)
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     return RLBatch(tokens, mask, rollout, rewards, routed_experts=pack_routed(samples, length))
+
+
+def loss_mask(s: Sample) -> torch.Tensor:
+    """``s``'s response tokens that carry loss (1) and those only fed (0: a tool's or an
+    environment's reply); every token when ``s.loss_mask`` is None."""
+    if s.loss_mask is None:
+        return torch.ones(s.response_length)
+    if len(s.loss_mask) != s.response_length or any(m not in (0, 1) for m in s.loss_mask):
+        raise ValueError(
+            f"sample {s.group_index}/{s.index}: loss_mask must hold one 0 or 1 per response "
+            f"token ({s.response_length}), got {len(s.loss_mask)} values; a rollout hook "
+            "appending tokens appends their mask too"
+        )
+    return torch.tensor(s.loss_mask, dtype=torch.float32)
 
 
 def pack_routed(samples: list[Sample], length: int) -> torch.Tensor | None:
