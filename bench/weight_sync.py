@@ -12,6 +12,17 @@ what the anchor copies with (a real engine has its whole device to itself). Each
 runs ``--repeats`` times; the best run is reported (the first also pays one-off set-up).
 ``tensor`` sends flattened buckets (sync.tensor.format=flattened_bucket), ``tensor-direct`` the
 parameters themselves (sync.tensor.format=direct).
+
+Trainer layouts (issue 18: no funnel through trainer rank 0):
+
+    python bench/weight_sync.py --trainer-layout pp=2 pp=2,ep=2 tp=2 --transports tensor distributed
+
+runs, per layout, a torchrun trainer of ``tp * pp * ep`` ranks (a dense Qwen3, or a Qwen3-MoE
+whose experts hold most of the weights when the layout has ``ep``) syncing into ``--engines``
+built-in engines of ``--engine-tp`` ranks each, and prints per layout x transport the max
+bytes one trainer rank sent / the model's bytes (the old design's rank 0 sent all: 1.0; goals
+PP=2 <= 0.55, PP=2 x EP=2 <= 0.35), the sync's wall time (sync/time_s, sync/transfer_s) and
+the parity after it (check every sync; < 1e-4). The single-rank figures are not run then.
 """
 
 from __future__ import annotations
@@ -28,6 +39,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from weight_sync_layouts import Layout, parse_layout  # noqa: E402 (bench/, beside this file)
+from weight_sync_worker import trainer_chunks  # noqa: E402
 
 
 def build_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
@@ -68,18 +82,33 @@ def main() -> None:
         nargs="+",
         default=["tensor", "tensor-direct", "distributed", "disk", "mooncake"],
     )
+    ap.add_argument(
+        "--trainer-layout",
+        nargs="+",
+        action="extend",
+        type=_layout,
+        default=[],
+        metavar="LAYOUT",
+        help="trainer layouts to sync from, e.g. pp=2 tp=2 pp=2,ep=2 (keys tp, pp, ep, vpp)",
+    )
+    ap.add_argument("--engines", type=int, default=2, help="engines per layout (default 2)")
+    ap.add_argument("--engine-tp", type=int, default=1, choices=[1, 2], help="TP of each engine")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if a.repeats < 1 or a.engines < 1:
+        ap.error("--repeats and --engines must be at least 1")
+    if a.trainer_layout:
+        from weight_sync_multirank import run_layouts
 
-    from titan_core.config.pretrain import PretrainConfig
-    from titan_core.models.gpt import (
-        build_model_chunks,
-        build_transformer_config,
-        padded_vocab_size,
-    )
-    from titan_core.models.hf import HFBridge, model_config_from_hf
+        tmp = Path(tempfile.mkdtemp(prefix="titan-bench-sync-layouts-"))
+        layouts = list(dict.fromkeys(a.trainer_layout))  # each once, in the order given
+        run_layouts(
+            layouts, a.transports, a.engines, a.engine_tp, tmp, a.bucket_mib << 20, a.repeats
+        )
+        return
+
     from titan_core.net import free_port
-    from titan_core.parallel.initialize import initialize, shutdown
+    from titan_core.parallel.initialize import shutdown
     from titan_rl.actors.config import EngineServerConfig
     from titan_rl.actors.server import ServerProcess
     from titan_rl.sync import SyncConfig, WeightSync
@@ -90,16 +119,7 @@ def main() -> None:
     if n_params < 100e6:
         print("warning: below 100M parameters; raise --hidden/--layers for a representative run")
 
-    model = model_config_from_hf(tmp / "model", seq_length=64, transformer_impl="local")
-    cfg = PretrainConfig.model_validate(
-        {"model": model.model_dump(), "train": {"micro_batch_size": 1, "global_batch_size": 1,
-                                                 "lr_warmup_iters": 0}}
-    )  # fmt: skip
-    accel, _, _ = initialize(cfg)
-    chunks = build_model_chunks(
-        cfg, build_transformer_config(cfg, accel), padded_vocab_size(model.vocab_size, cfg), accel
-    )
-    HFBridge(tmp / "model").load(chunks, tmp / "model")
+    chunks = trainer_chunks(str(tmp / "model"))
 
     bucket = a.bucket_mib << 20
     memcpy = memcpy_gbps(bucket)
@@ -170,6 +190,13 @@ def main() -> None:
         ratios = ", ".join(f"{t} {r:.3f}" for t, r in tensor.items())
         verdict = f"met by {' and '.join(met)}" if met else "NOT met"
         print(f"goal tensor >= 0.5 x memcpy: {verdict} ({ratios})")
+
+
+def _layout(text: str) -> Layout:
+    try:
+        return parse_layout(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _wait_http(url: str, proc: subprocess.Popen) -> None:

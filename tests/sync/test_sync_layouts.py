@@ -23,7 +23,7 @@ from tests.sync.test_sync import (
 )
 from titan_rl.actors.server import ServerProcess
 
-ENGINE_TP = 1
+ENGINE_TP = 2
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 EXPERT = re.compile(r"\.experts\.(\d+)\.")
 

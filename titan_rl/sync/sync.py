@@ -371,6 +371,8 @@ class WeightSync:
             for url, (msg, gone) in r.failures.items():
                 note(url, msg, gone)
         by_url = {e.url: e for e in engines}
+        for e in engines:  # the coordinator's own sends counted once, from its report
+            e.applied = 0
         for r in reports:
             for url, n in r.applied.items():
                 by_url[url].applied += n
