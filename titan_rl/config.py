@@ -80,10 +80,13 @@ class RolloutConfig(Section):
     @field_validator("generate_fn")
     @classmethod
     def _check_generate_fn(cls, v: str | None) -> str | None:
-        if v is not None:
-            from titan_rl.rollout.hooks import split_spec
-
-            split_spec(v)  # its form; importing it is preflight's (check_generate_fn)
+        # its form here; importing it is preflight's (titan_rl.preflight.check_generate_fn)
+        module, sep, attr = (v or "").rpartition(":")
+        if v is not None and not (sep and module and attr):
+            raise ValueError(
+                f"rollout.generate_fn {v!r} must be 'module:function' (e.g. my_pkg.agent:generate) "
+                "or 'path/to/file.py:function'"
+            )
         return v
 
     @model_validator(mode="after")
