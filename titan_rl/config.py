@@ -233,6 +233,11 @@ class GRPOConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        if self.parallel.p2p_transport != "torch":
+            raise ValueError(
+                f"parallel.p2p_transport={self.parallel.p2p_transport} is pretraining's "
+                "(titan_core.pretrain); the GRPO trainer's pipeline runs over torch: unset it"
+            )
         batch = self.rollout.prompts_per_step * self.rollout.n_samples_per_prompt
         if batch % self.train.micro_batch_size:
             raise ValueError(

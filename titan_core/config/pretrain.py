@@ -8,8 +8,10 @@ group starts.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import warnings
 from typing import Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
@@ -48,6 +50,23 @@ class ModelConfig(Section):
     moe_router_topk: PositiveInt = 2
     moe_ffn_hidden_size: PositiveInt | None = None
     moe_shared_expert_intermediate_size: PositiveInt | None = None
+    #: run the shared experts concurrently with the routed experts' token all-to-all
+    #: (needs model.moe_shared_expert_intermediate_size and the alltoall dispatcher).
+    moe_shared_expert_overlap: bool = False
+    #: the router's score function; the aux-loss-free expert bias needs sigmoid.
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    #: aux-loss-free load balancing (DeepSeek-V3): a per-expert bias added to the routing
+    #: scores, moved each step toward the under-loaded experts (needs sigmoid scores).
+    moe_router_enable_expert_bias: bool = False
+    #: how far each step moves an expert's bias (sign of its load below/above the mean).
+    moe_router_bias_update_rate: float = Field(1e-3, gt=0)
+    #: tokens an expert takes per step, as a multiple of an even share (topk x tokens /
+    #: experts); the rest are dropped. None: no capacity limit, no dropping.
+    moe_expert_capacity_factor: float | None = Field(None, gt=0)
+    #: which tokens an over-capacity expert drops: lowest routing probability or latest position.
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    #: pad every expert's input to its full capacity (static shapes; needs a capacity factor).
+    moe_pad_expert_input_to_capacity: bool = False
     moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "sinkhorn", "none"] = (
         "aux_loss"
     )
@@ -85,6 +104,44 @@ class ModelConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_moe_router(self) -> ModelConfig:
+        """Router combinations megatron-core 0.16.1 rejects, named by Titan's keys."""
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "model.moe_router_enable_expert_bias needs model.moe_router_score_function=sigmoid"
+            )
+        capacity = self.moe_expert_capacity_factor
+        if capacity is not None and self.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError(
+                "model.moe_expert_capacity_factor does not work with "
+                "model.moe_router_load_balancing_type=sinkhorn; use aux_loss, seq_aux_loss or none"
+            )
+        if self.moe_pad_expert_input_to_capacity:
+            if capacity is None:
+                raise ValueError(
+                    "model.moe_pad_expert_input_to_capacity needs model.moe_expert_capacity_factor"
+                )
+            if self.moe_token_dispatcher_type == "flex" and self.moe_flex_dispatcher_backend == (
+                "deepep"
+            ):
+                raise ValueError(
+                    "model.moe_pad_expert_input_to_capacity is not supported by "
+                    "model.moe_token_dispatcher_type=flex with DeepEP; use alltoall or allgather"
+                )
+        if self.moe_shared_expert_overlap:
+            if self.moe_shared_expert_intermediate_size is None:
+                raise ValueError(
+                    "model.moe_shared_expert_overlap needs shared experts: set "
+                    "model.moe_shared_expert_intermediate_size"
+                )
+            if self.moe_token_dispatcher_type != "alltoall":
+                raise ValueError(
+                    "model.moe_shared_expert_overlap needs model.moe_token_dispatcher_type="
+                    f"alltoall (not {self.moe_token_dispatcher_type})"
+                )
+        return self
+
 
 class ParallelConfig(Section):
     tensor_model_parallel_size: PositiveInt = 1
@@ -102,6 +159,41 @@ class ParallelConfig(Section):
     overlap_moe_expert_parallel_comm: bool = False
     delay_wgrad_compute: bool = False
     distributed_timeout_minutes: PositiveInt = 10
+    #: how activations and gradients move between pipeline stages (PP > 1): torch
+    #: (megatron-core's torch.distributed send/recv) or mooncake (Mooncake TransferEngine
+    #: writes into registered buffers, sends overlapped with compute).
+    p2p_transport: Literal["torch", "mooncake"] = "torch"
+    #: p2p_transport mooncake: seconds a pipeline send or receive may wait for its peer
+    #: stage before the step fails with an error naming that stage.
+    p2p_timeout_s: float = Field(300.0, gt=0)
+    #: p2p_transport mooncake: this node's address for Mooncake's TCP listener; None: the
+    #: address the host name resolves to.
+    p2p_mooncake_host: str | None = None
+
+    @model_validator(mode="after")
+    def _check_p2p(self) -> ParallelConfig:
+        if self.p2p_transport == "mooncake":
+            _require_mooncake()
+            if self.pipeline_model_parallel_size == 1:
+                warnings.warn(
+                    "parallel.p2p_transport=mooncake has no effect with "
+                    "parallel.pipeline_model_parallel_size=1 (no pipeline stages to connect)",
+                    stacklevel=2,
+                )
+        return self
+
+
+def _require_mooncake() -> None:
+    try:
+        found = importlib.util.find_spec("mooncake.engine") is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        raise ValueError(
+            "parallel.p2p_transport=mooncake needs Mooncake's TransferEngine: pip install "
+            "mooncake-transfer-engine (or mooncake-transfer-engine-non-cuda on hosts "
+            "without CUDA), or set parallel.p2p_transport=torch"
+        )
 
 
 class TrainConfig(Section):
@@ -130,11 +222,23 @@ class TrainConfig(Section):
     #: stop (and save) at the first evaluation whose eval/accuracy reaches this fraction;
     #: train.train_iters is then the cap. None: run all train.train_iters steps.
     stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
-    #: FP8 training through Transformer Engine ("e4m3" / "hybrid"); GPU only.
+    #: FP8 training ("e4m3" / "hybrid": e5m2 gradients): on GPU megatron-core with Transformer
+    #: Engine; on CPU the blockwise recipe emulated in plain torch (titan_core/fp8).
     fp8: Literal["e4m3", "hybrid"] | None = None
+    #: the FP8 scaling recipe; blockwise is TE's Float8BlockScaling (the only one on CPU).
     fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "blockwise"
-    #: megatron's fine-grained activation offloading of these modules (1F1B / VPP aware).
-    offload_modules: list[str] = Field(default_factory=list)
+    #: megatron's fine-grained activation offloading of these modules' inputs (1F1B / VPP
+    #: aware): attn_norm, qkv_linear, core_attn, attn_proj (with core_attn), mlp_norm, and
+    #: for MoE expert_fc1, moe_act. bench/activation_offload.py measures each.
+    offload_modules: list[
+        Literal[
+            "attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+            "moe_act",
+        ]
+    ] = Field(default_factory=list)  # fmt: skip
+    #: tensors with fewer elements than this stay resident under train.offload_modules
+    #: (megatron's min_offloaded_tensor_size).
+    offload_min_tensor_size: int = Field(1024 * 1024, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
@@ -343,6 +447,41 @@ class PretrainConfig(Section):
             raise ValueError(
                 f"train.eval_interval needs a validation split, but data.split {d.split!r} "
                 "gives it none; give data.split a nonzero second weight (e.g. 98,2,0)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_moe_parallel(self) -> PretrainConfig:
+        """Dispatcher and EP-overlap layouts megatron-core 0.16.1 rejects, named by key."""
+        p, m = self.parallel, self.model
+        ep_tp = p.expert_model_parallel_size * p.tensor_model_parallel_size
+        if m.num_moe_experts and m.moe_token_dispatcher_type == "flex" and ep_tp == 1:
+            raise ValueError(
+                "model.moe_token_dispatcher_type=flex needs parallel.expert_model_parallel_size x "
+                "tensor_model_parallel_size > 1; use alltoall at EP=1"
+            )
+        if not p.overlap_moe_expert_parallel_comm:
+            return self
+        if p.expert_model_parallel_size == 1:
+            raise ValueError(
+                "parallel.overlap_moe_expert_parallel_comm needs "
+                "parallel.expert_model_parallel_size > 1"
+            )
+        if m.moe_token_dispatcher_type not in ("alltoall", "flex"):
+            raise ValueError(
+                "parallel.overlap_moe_expert_parallel_comm needs model.moe_token_dispatcher_type "
+                f"alltoall or flex (not {m.moe_token_dispatcher_type})"
+            )
+        if p.pipeline_model_parallel_size > 1 and not p.virtual_pipeline_model_parallel_size:
+            raise ValueError(
+                "parallel.overlap_moe_expert_parallel_comm with pipeline_model_parallel_size > 1 "
+                "needs parallel.virtual_pipeline_model_parallel_size (megatron-core overlaps EP "
+                "only in its combined-1F1B no-pipeline and interleaved schedules)"
+            )
+        if m.moe_shared_expert_overlap:
+            raise ValueError(
+                "parallel.overlap_moe_expert_parallel_comm and model.moe_shared_expert_overlap "
+                "exclude each other; unset model.moe_shared_expert_overlap"
             )
         return self
 

@@ -2,7 +2,8 @@
 
 On CPU (and wherever Transformer Engine is absent) the local layer spec is used; with TE
 present and ``model.transformer_impl`` auto or transformer_engine, the TE spec, which is
-also what FP8 needs.
+also what FP8 needs on GPU. On CPU, ``train.fp8`` with the blockwise recipe is emulated: the
+decoder's linears get :mod:`titan_core.fp8`'s GEMM at build (``install_blockwise_fp8``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from megatron.core.transformer import TransformerConfig
 from titan_core.accelerator import Accelerator, megatron_scope
 from titan_core.config.loader import ConfigError
 from titan_core.config.pretrain import PretrainConfig
+from titan_core.fp8 import cpu_emulation
+from titan_core.fp8.install import install_blockwise_fp8
 
 
 def use_transformer_engine(cfg: PretrainConfig, accel: Accelerator) -> bool:
@@ -59,6 +62,24 @@ def padded_vocab_size(vocab_size: int, cfg: PretrainConfig, saved_rows: int | No
     return saved_rows
 
 
+def _check_moe_kernels(cfg: PretrainConfig, accel: Accelerator, te: bool) -> None:
+    """The MoE paths that need a package or a device this host may not have."""
+    m = cfg.model
+    if m.moe_token_dispatcher_type == "flex" and not accel.supports("deep_ep"):
+        why = "is not importable" if accel.device_type != "cpu" else "runs on a GPU only"
+        raise ConfigError(
+            "model.moe_token_dispatcher_type=flex needs DeepEP (the deep_ep package; MT-DeepEP "
+            f"on MUSA), which {why} here (accelerator: {accel.name}); install DeepEP on a GPU "
+            "host or set model.moe_token_dispatcher_type=alltoall"
+        )
+    if m.moe_grouped_gemm and not te and importlib.util.find_spec("grouped_gemm") is None:
+        raise ConfigError(
+            "model.moe_grouped_gemm needs Transformer Engine (TEGroupedMLP) or the grouped_gemm "
+            "package (megatron-core's legacy GroupedMLP), neither available here; unset "
+            "model.moe_grouped_gemm"
+        )
+
+
 def build_transformer_config(
     cfg: PretrainConfig, accel: Accelerator, routing_replay: bool = False
 ) -> TransformerConfig:
@@ -66,15 +87,14 @@ def build_transformer_config(
     ``algo.routing_replay``: the trainer replays the rollout engine's routing)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     te = use_transformer_engine(cfg, accel)
-    if t.fp8 and not te:
+    emulated_fp8 = cpu_emulation(cfg, accel)  # CPU: blockwise FP8 in plain torch
+    if t.fp8 and not te and not emulated_fp8:
         raise ConfigError(
             f"train.fp8={t.fp8} needs Transformer Engine on a GPU (accelerator: {accel.name}); "
             "unset train.fp8"
         )
-    if m.moe_token_dispatcher_type == "flex" and not accel.supports("deep_ep"):
-        raise ConfigError(
-            "model.moe_token_dispatcher_type=flex needs DeepEP on a GPU; use alltoall here"
-        )
+    if m.num_moe_experts:
+        _check_moe_kernels(cfg, accel, te)
     dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     on_cpu = accel.device_type == "cpu"
     kwargs = dict(
@@ -136,15 +156,26 @@ def build_transformer_config(
             moe_grouped_gemm=m.moe_grouped_gemm,
             moe_token_dispatcher_type=m.moe_token_dispatcher_type,
             moe_layer_freq=m.moe_layer_freq,
+            moe_shared_expert_overlap=m.moe_shared_expert_overlap,
+            moe_router_score_function=m.moe_router_score_function,
+            moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+            moe_expert_capacity_factor=m.moe_expert_capacity_factor,
+            moe_token_drop_policy=m.moe_token_drop_policy,
+            moe_pad_expert_input_to_capacity=m.moe_pad_expert_input_to_capacity,
         )
         if m.moe_token_dispatcher_type == "flex":
             kwargs["moe_flex_dispatcher_backend"] = m.moe_flex_dispatcher_backend
         if routing_replay:
             kwargs["moe_enable_routing_replay"] = True
-    if t.fp8:
+    if t.fp8 and not emulated_fp8:
         kwargs.update(fp8=t.fp8, fp8_recipe=t.fp8_recipe)
     if t.offload_modules:
-        kwargs.update(fine_grained_activation_offloading=True, offload_modules=t.offload_modules)
+        kwargs.update(
+            fine_grained_activation_offloading=True,
+            offload_modules=list(t.offload_modules),
+            min_offloaded_tensor_size=t.offload_min_tensor_size,
+        )
     try:
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError) as e:  # megatron validates in __post_init__
@@ -197,6 +228,8 @@ def build_model_chunks(
             rotary_base=int(cfg.model.rotary_base),
             vp_stage=vp_stage,
         )
+        if fp8 := cpu_emulation(cfg, accel):  # the decoder's GEMMs, as TE's FP8 on GPU
+            install_blockwise_fp8(model.decoder, fp8)
         model.to(accel.device())
         chunks.append(model)
     return chunks

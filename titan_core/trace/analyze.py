@@ -28,6 +28,7 @@ from titan_core.trace.forked import Forked
 from titan_core.trace.gc_pause import gc_paused
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
+from titan_core.trace.moe_load import moe_load_rows
 from titan_core.trace.parse import TraceError, find_trace_files
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
 from titan_core.trace.stragglers import slow_ranks
@@ -315,4 +316,7 @@ def analyze_traces(
     them, it would at once rescan every result just built). Returns the summary and the
     per-rank results (the report draws from both)."""
     results, problems = load_ranks(trace_dir, cfg, workers, cache_dir, progress, use_ray)
-    return build_summary(results, problems, pp=pp), results
+    summary = build_summary(results, problems, pp=pp)
+    traced = {s.step for r in results for s in r.steps}
+    summary["moe_load"] = moe_load_rows(trace_dir, traced or None)  # the run's metrics.jsonl
+    return summary, results

@@ -159,6 +159,12 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _num(key: str) -> int:
+    """``layer12`` -> 12: layers in order."""
+    digits = "".join(c for c in key if c.isdigit())
+    return int(digits) if digits else -1
+
+
 def write_report(summary: dict[str, Any], results: list[RankResult], path: str | Path) -> None:
     """Write the HTML report: one file, no scripts, nothing fetched."""
     parts = [
@@ -215,6 +221,13 @@ def write_report(summary: dict[str, Any], results: list[RankResult], path: str |
             ],
         )
     )
+    if summary.get("moe_load"):  # from the run's metrics.jsonl, not from the traces
+        rows = summary["moe_load"]
+        cols = ["step", "max", *sorted({k for r in rows for k in r} - {"step", "max"}, key=_num)]
+        parts.append(
+            "<h2>MoE expert load (tokens per expert max/mean, from metrics.jsonl)</h2>"
+            + _table(rows, cols)
+        )
     parts.append(
         "<h2>Ranks</h2>"
         + _table(

@@ -19,11 +19,13 @@ from titan_core.checkpoint.dist import iteration_dir, unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
+from titan_core.parallel.p2p_mooncake import p2p_schedule_kwargs
 from titan_core.signals import StopSignals, signal_name
 from titan_core.training.annotate import MicrobatchAnnotator
 from titan_core.training.build import CheckpointSource, build_training
 from titan_core.training.finite import check_loss_and_grads, check_params
 from titan_core.training.metrics import MetricsWriter, drop_records_after, format_status
+from titan_core.training.moe_load import MoELoadTracker
 from titan_core.training.profiling import StepProfiler
 
 
@@ -167,6 +169,17 @@ class Trainer:
         self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
         self.vocab_size = self.setup.vocab_size
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
+        #: parallel.p2p_transport: the schedules' p2p_communicator (+ groups), or nothing
+        self.p2p_kwargs = p2p_schedule_kwargs(cfg, self.tf, accel.device())
+        if self.p2p_kwargs:
+            self._say(f"pipeline P2P over Mooncake ({self.p2p_kwargs['p2p_communicator']})")
+        #: MoE: tokens per expert per layer each step (the expert bias, when enabled, is
+        #: updated by megatron's finalize_model_grads, the schedules' finalize hook)
+        self.moe_load: MoELoadTracker | None = None
+        if cfg.model.num_moe_experts:
+            chunks = [unwrap(c) for c in self.model]
+            m = cfg.model
+            self.moe_load = MoELoadTracker(chunks, m.num_layers, m.num_moe_experts, accel.device())
         self.step = 0
         self.consumed_samples = 0
         #: the latest eval/accuracy (kept in checkpoints for train.stop_at_eval_accuracy)
@@ -237,6 +250,8 @@ class Trainer:
     @megatron_scope()
     def train_step(self, data_iterator) -> tuple[float, float | None]:  # noqa: ANN001
         t = self.cfg.train
+        if self.moe_load is not None:
+            self.moe_load.reset()
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -255,6 +270,7 @@ class Trainer:
                 micro_batch_size=t.micro_batch_size,
                 decoder_seq_length=self.cfg.model.seq_length,
                 forward_only=False,
+                **self.p2p_kwargs,
             )
         check_loss_and_grads(
             self.model, [x["lm loss"] for x in losses], f"step {self.step}", _NONFINITE_HINT,
@@ -295,6 +311,7 @@ class Trainer:
                             micro_batch_size=t.micro_batch_size,
                             decoder_seq_length=self.cfg.model.seq_length,
                             forward_only=True,
+                            **self.p2p_kwargs,
                         )
         finally:
             for chunk in self.model:
@@ -368,6 +385,8 @@ class Trainer:
                     "step_time_s": elapsed,
                     "consumed_samples": self.consumed_samples,
                 }
+                if self.moe_load is not None:  # a collective: every rank, every step
+                    record.update(self.moe_load.collect())
                 if t.eval_interval and (
                     self.step % t.eval_interval == 0 or self.step == t.train_iters
                 ):
