@@ -1,4 +1,4 @@
-"""reward.png: reward and eval accuracy against step."""
+"""reward.png: reward and eval accuracy against step (and a multi-turn run's tool-use rate)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def plot_rewards(records: list[dict[str, Any]], out: str | Path, title: str = "G
     ax.plot(steps, rewards, color="tab:blue", alpha=0.8, label="reward (train, mean)")
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", color="tab:red", label="eval accuracy (greedy)")
+    tools = [
+        (r["step"], r["rollout/tool_use_rate"]) for r in records if "rollout/tool_use_rate" in r
+    ]
+    if tools:
+        ax.plot(*zip(*tools, strict=True), color="tab:green", alpha=0.8, label="tool-use rate")
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)

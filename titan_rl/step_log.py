@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from titan_core.training.metrics import MetricsWriter
     from titan_rl.rollout.generate import RolloutResult
+    from titan_rl.sample import Sample
 
 
 def step_record(step: int, result: RolloutResult, measured: dict[str, Any]) -> dict[str, Any]:
@@ -28,7 +29,28 @@ def step_record(step: int, result: RolloutResult, measured: dict[str, Any]) -> d
         "rollout/stale_samples": result.stale_samples,
         "rollout/weight_version": ",".join(sorted({s.weight_version for s in samples})),
         "data/prompt_hash": result.prompt_hash,
+        **multi_turn_stats(samples),
         **measured,
+    }
+
+
+def multi_turn_stats(samples: list[Sample]) -> dict[str, float]:
+    """Turns and tool use of a multi-turn rollout (titan_rl.rollout.multiturn records them in
+    each sample's metadata); nothing for single-turn samples."""
+    turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
+    if not turns:
+        return {}
+    calls = [s.metadata.get("tool_calls") or [] for s in samples if "turns" in s.metadata]
+    n, n_calls = len(turns), sum(len(c) for c in calls)
+    return {
+        "rollout/turns_mean": sum(turns) / n,
+        "rollout/tool_calls_mean": n_calls / n,
+        # the share of samples that called a tool at least once
+        "rollout/tool_use_rate": sum(bool(c) for c in calls) / n,
+        # the share of tool calls that failed or timed out (answered with an error)
+        "rollout/tool_error_rate": (
+            sum("error" in call for c in calls for call in c) / n_calls if n_calls else 0.0
+        ),
     }
 
 
@@ -42,6 +64,10 @@ def status_line(rec: dict[str, Any], total: int) -> str:
     ]
     if "eval/accuracy" in rec:
         parts.append(f"eval acc {rec['eval/accuracy']:.3f}")
+    if "rollout/tool_use_rate" in rec:
+        parts.append(
+            f"turns {rec['rollout/turns_mean']:.2f} tool use {rec['rollout/tool_use_rate']:.2f}"
+        )
     if rec.get("reward/timeouts") or rec.get("reward/invalid"):
         parts.append(f"reward timeouts {rec['reward/timeouts']} / invalid {rec['reward/invalid']}")
     if rec.get("engines/resyncs") or rec.get("rollout/stale_samples"):

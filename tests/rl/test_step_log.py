@@ -1,0 +1,52 @@
+"""A GRPO step's record: the multi-turn rollout's turns and tool use (issue 21), recorded
+and drawn only when the samples carry them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from titan_rl.plot import plot_rewards
+from titan_rl.rollout.generate import RolloutResult
+from titan_rl.sample import Sample
+from titan_rl.step_log import multi_turn_stats, status_line, step_record
+
+
+def _sample(i: int, **metadata: object) -> Sample:
+    return Sample(group_index=0, index=i, prompt="p", prompt_tokens=[1, 2], label="3",
+                  response_tokens=[4, 5, 6], reward=float(i % 2), metadata=dict(metadata))  # fmt: skip
+
+
+def test_turns_and_tool_use_are_counted_per_sample() -> None:
+    ok = {"name": "calc", "args": "1+2", "result": "=3"}
+    bad = {"name": "calc", "args": "1/0", "error": "ZeroDivisionError: division by zero"}
+    samples = [
+        _sample(0, turns=3, tool_calls=[ok, bad], stop_reason="done"),
+        _sample(1, turns=2, tool_calls=[ok], stop_reason="done"),
+        _sample(2, turns=1, tool_calls=[], stop_reason="done"),
+        _sample(3, turns=1, tool_calls=[], stop_reason="max_total_tokens"),
+    ]
+    stats = multi_turn_stats(samples)
+    assert stats == {
+        "rollout/turns_mean": 7 / 4,
+        "rollout/tool_calls_mean": 3 / 4,
+        "rollout/tool_use_rate": 2 / 4,
+        "rollout/tool_error_rate": 1 / 3,
+    }
+    measured = {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4, "time/sync": 0.1}
+    result = RolloutResult(samples, groups_generated=1, groups_filtered=0, truncated=1)
+    rec = step_record(5, result, measured)
+    assert rec["rollout/tool_use_rate"] == 0.5
+    assert "turns 1.75 tool use 0.50" in status_line(rec, 10)
+
+
+def test_single_turn_samples_add_nothing(tmp_path: Path) -> None:
+    samples = [_sample(i) for i in range(4)]
+    assert multi_turn_stats(samples) == {}
+    measured = {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4, "time/sync": 0.1}
+    rec = step_record(1, RolloutResult(samples, 1, 0, 0), measured)
+    assert not any(k.startswith("rollout/tool") for k in rec)
+    assert "tool use" not in status_line(rec, 10)
+    # the picture is drawn with and without the tool-use curve
+    records = [rec, {**rec, "step": 2, "rollout/tool_use_rate": 0.25}]
+    plot_rewards(records, tmp_path / "reward.png")
+    assert (tmp_path / "reward.png").stat().st_size > 0
