@@ -21,6 +21,7 @@ from titan_core.config.pretrain import (
 from titan_rl.algo.config import AlgoConfig
 from titan_rl.rewards.config import RewardConfig
 from titan_rl.sync.config import SyncConfig
+from titan_rl.user_code import split_spec
 
 
 class PolicyConfig(Section):
@@ -80,13 +81,8 @@ class RolloutConfig(Section):
     @field_validator("generate_fn")
     @classmethod
     def _check_generate_fn(cls, v: str | None) -> str | None:
-        # its form here; importing it is preflight's (titan_rl.preflight.check_generate_fn)
-        module, sep, attr = (v or "").rpartition(":")
-        if v is not None and not (sep and module and attr):
-            raise ValueError(
-                f"rollout.generate_fn {v!r} must be 'module:function' (e.g. my_pkg.agent:generate) "
-                "or 'path/to/file.py:function'"
-            )
+        if v is not None:  # its form; importing it is preflight's (check_generate_fn)
+            split_spec(v, "rollout.generate_fn", "my_pkg.agent:generate")
         return v
 
     @model_validator(mode="after")

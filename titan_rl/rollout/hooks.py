@@ -9,15 +9,12 @@ with its own ``sampling_seed``), or once per prompt when decorated with :func:`p
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from titan_rl import user_code
 from titan_rl.rollout.engine_api import EngineClient, GenerateOutput
 from titan_rl.rollout.versions import VersionCheck, generate_checked
 
@@ -27,6 +24,7 @@ if TYPE_CHECKING:
 
 #: the config key naming a hook
 KEY = "rollout.generate_fn"
+EXAMPLE = "my_pkg.agent:generate"
 
 GenerateFn = Callable[["RolloutContext", "Sample", dict[str, Any]], Awaitable[Any]]
 
@@ -72,52 +70,15 @@ class RolloutContext:
         return await generate_checked(self.client, tokens, params, self.versions, self.stats, **kw)
 
 
-def _import(module_name: str) -> Any:
-    if not module_name.endswith(".py"):
-        return importlib.import_module(module_name)
-    path = Path(module_name)
-    if not path.is_file():
-        raise ImportError(f"file {path} does not exist")
-    name = f"titan_generate_fn_{abs(hash(str(path.resolve())))}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def split_spec(spec: str) -> tuple[str, str]:
     """``spec`` as (module or file, function), importing nothing; ValueError naming the key."""
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(
-            f"{KEY} {spec!r} must be 'module:function' (e.g. my_pkg.agent:generate) or "
-            "'path/to/file.py:function'"
-        )
-    return module_name, attr
+    return user_code.split_spec(spec, KEY, EXAMPLE)
 
 
 def load_generate_fn(spec: str) -> GenerateFn:
     """The async function ``spec`` names; ValueError naming the key when it cannot be
     imported or is not an ``async def`` taking (ctx, sample, sampling_params)."""
-    module_name, attr = split_spec(spec)
-    try:
-        module = _import(module_name)
-    except Exception as e:  # ImportError, or whatever the module raised on import
-        raise ValueError(
-            f"{KEY} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
-        ) from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        raise ValueError(f"{KEY} {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    attr, fn = user_code.load_attr(spec, KEY, EXAMPLE)
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(
             f"{KEY} {spec!r}: {attr!r} must be an async function "

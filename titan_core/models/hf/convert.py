@@ -486,6 +486,17 @@ class HFBridge:
             (n, s) for e in experts for n, s in zip(self._hf_names(item, e), shapes, strict=True)
         ]
 
+    def _export_items(self, chunks: list[Any], layout: Layout) -> list[_Item]:
+        """This rank's parameters to export: tied, the output layer on the last stage is a
+        copy of the embedding and is left out."""
+        items = self._items(chunks, layout)
+        if self.tied:
+            has_embedding = any(i.mname == EMBEDDING[0] for i in items)
+            items = [i for i in items if not (i.mname == OUTPUT[0] and has_embedding)]
+            if layout.pp.size > 1:
+                items = [i for i in items if i.mname != OUTPUT[0]]
+        return items
+
     @torch.no_grad()
     def export(
         self,
@@ -512,12 +523,7 @@ class HFBridge:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         layout = Layout.current()
-        items = self._items(chunks, layout)
-        if self.tied:  # the output layer on the last stage is a copy of the embedding
-            has_embedding = any(i.mname == EMBEDDING[0] for i in items)
-            items = [i for i in items if not (i.mname == OUTPUT[0] and has_embedding)]
-            if layout.pp.size > 1:
-                items = [i for i in items if i.mname != OUTPUT[0]]
+        items = self._export_items(chunks, layout)
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
         param_dtype = items[0].param.dtype if items else torch.float32
@@ -538,34 +544,25 @@ class HFBridge:
             def alloc(name: str, shape: torch.Size) -> torch.Tensor:
                 return out(name, shape, out_dtype)
 
-        bucket: NamedTensors = []
-        size = 0
-        for stage, metas in enumerate(stage_meta):
-            for idx, meta in enumerate(metas):
-                got: NamedTensors = []
-                if stage == layout.pp.rank:
-                    named = self._materialize(items[idx], layout, chunks, alloc)
-                    named = [(n, t.to(out_dtype)) for n, t in named]
-                    if rank == dst:
-                        got = named if views else [(n, t.contiguous()) for n, t in named]
-                    elif sender:
-                        for _, t in named:
-                            dist.send(t.contiguous(), dst)
-                elif rank == dst:
-                    for n, shape in meta:
-                        # on the parameters' device: NCCL/MCCL cannot receive into CPU memory
-                        t = torch.empty(shape, dtype=out_dtype, device=device)
-                        dist.recv(t, pp_ranks[stage])
-                        got.append((n, t))
-                for n, t in got:
-                    nbytes = t.numel() * t.element_size()
-                    if bucket and size + nbytes > bucket_bytes:
-                        yield bucket
-                        bucket, size = [], 0
-                    bucket.append((n, t))
-                    size += nbytes
-        if bucket:
-            yield bucket
+        def received() -> Iterator[tuple[str, torch.Tensor]]:
+            for stage, metas in enumerate(stage_meta):
+                for idx, meta in enumerate(metas):
+                    if stage == layout.pp.rank:
+                        named = self._materialize(items[idx], layout, chunks, alloc)
+                        named = [(n, t.to(out_dtype)) for n, t in named]
+                        if rank == dst:
+                            yield from named if views else ((n, t.contiguous()) for n, t in named)
+                        elif sender:
+                            for _, t in named:
+                                dist.send(t.contiguous(), dst)
+                    elif rank == dst:
+                        for n, shape in meta:
+                            # on the parameters' device: NCCL/MCCL cannot receive into CPU memory
+                            t = torch.empty(shape, dtype=out_dtype, device=device)
+                            dist.recv(t, pp_ranks[stage])
+                            yield n, t
+
+        yield from _bucketed(received(), bucket_bytes)
 
     def has_experts(self) -> bool:
         return bool(self.model_cfg.num_moe_experts)
@@ -590,12 +587,7 @@ class HFBridge:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         layout = Layout.current()
         role = SendRole.current(self.has_experts())
-        items = self._items(chunks, layout)
-        if self.tied:  # the output layer on the last stage is a copy of the embedding
-            has_embedding = any(i.mname == EMBEDDING[0] for i in items)
-            items = [i for i in items if not (i.mname == OUTPUT[0] and has_embedding)]
-            if layout.pp.size > 1:
-                items = [i for i in items if i.mname != OUTPUT[0]]
+        items = self._export_items(chunks, layout)
         out_dtype = dtype or (items[0].param.dtype if items else torch.float32)
         alloc: Alloc | None = None
         if out is not None:
@@ -603,32 +595,43 @@ class HFBridge:
             def alloc(name: str, shape: torch.Size) -> torch.Tensor:
                 return out(name, shape, out_dtype)
 
-        bucket: NamedTensors = []
-        size = 0
-        for item in items:
-            replica, sender = (
-                (role.expert_replica, role.expert_sender)
-                if item.expert
-                else (role.dense_replica, role.dense_sender)
-            )
-            if not replica:
-                continue
-            named = self._materialize(
-                item, layout, chunks, alloc if sender else None, gather_ep=False
-            )
-            if not sender:  # took part in the gather
-                continue
-            for n, t in named:
-                t = t.to(out_dtype)
-                t = t if views else t.contiguous()
-                nbytes = t.numel() * t.element_size()
-                if bucket and size + nbytes > bucket_bytes:
-                    yield bucket
-                    bucket, size = [], 0
-                bucket.append((n, t))
-                size += nbytes
-        if bucket:
+        def mine() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in items:
+                replica, sender = (
+                    (role.expert_replica, role.expert_sender)
+                    if item.expert
+                    else (role.dense_replica, role.dense_sender)
+                )
+                if not replica:
+                    continue
+                named = self._materialize(
+                    item, layout, chunks, alloc if sender else None, gather_ep=False
+                )
+                if not sender:  # took part in the gather
+                    continue
+                for n, t in named:
+                    t = t.to(out_dtype)
+                    yield n, (t if views else t.contiguous())
+
+        yield from _bucketed(mine(), bucket_bytes)
+
+
+def _bucketed(
+    tensors: Iterator[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[NamedTensors]:
+    """``tensors`` in buckets of at most ``bucket_bytes`` (a larger tensor travels alone),
+    drawn lazily: the gathers behind ``tensors`` run as the buckets are taken."""
+    bucket: NamedTensors = []
+    size = 0
+    for n, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
             yield bucket
+            bucket, size = [], 0
+        bucket.append((n, t))
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 class _SafetensorsDir:
