@@ -77,6 +77,12 @@ class RolloutConfig(Section):
     #: decorated with ``titan_rl.rollout.hooks.per_group``; e.g. a multi-turn rollout with
     #: tools (titan_rl.rollout.multiturn). None: the built-in single-turn rollout.
     generate_fn: str | None = None
+    #: partial rollouts: once a step has its groups, generations still running are aborted,
+    #: kept with the tokens they have, and continued on the newer weights by the next step's
+    #: rollout (each token records the weight version that produced it, and the rollout
+    #: correction uses that version's logprobs). Needs over_sample_factor > 1 (the extra
+    #: prompts are what a step does not wait for) and the built-in rollout (no generate_fn).
+    partial: bool = False
 
     @field_validator("generate_fn")
     @classmethod
@@ -87,6 +93,19 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RolloutConfig:
+        in_flight = int(self.prompts_per_step * self.over_sample_factor)
+        if self.partial and in_flight <= self.prompts_per_step:
+            raise ValueError(
+                f"rollout.partial=true needs more prompts in flight ({in_flight}: "
+                "prompts_per_step x over_sample_factor) than a step takes "
+                f"({self.prompts_per_step}): raise rollout.over_sample_factor (e.g. 1.5); a "
+                "step takes the first groups to finish and carries the others"
+            )
+        if self.partial and self.generate_fn:
+            raise ValueError(
+                "rollout.partial=true continues the built-in single-turn rollout; a "
+                f"rollout.generate_fn hook ({self.generate_fn}) owns its generation: set one"
+            )
         if self.top_k == 0 or self.top_k < -1:  # the engines' rule (SGLang's and the built-in)
             raise ValueError(
                 f"rollout.top_k={self.top_k}: use -1 (the whole vocabulary) or at least 1"

@@ -36,6 +36,8 @@ class Progress:
     start: int  #: the step the run resumed at (0: a fresh start)
     completed: int  #: the last step whose policy update finished
     sampler: dict[str, int]  #: the prompt sampler's state after ``completed``
+    #: the groups carried to the next rollout after ``completed`` (rollout.partial)
+    carried: list[dict[str, Any]]
     saved: int | None  #: the newest checkpoint's step
 
 
@@ -69,7 +71,9 @@ class Driver:
         self.stop = stop
         self.timer = StepTimer()
         start = resumed_at or 0
-        self.progress = Progress(start, start, rollouts.sampler.state(), resumed_at)
+        self.progress = Progress(
+            start, start, rollouts.sampler.state(), rollouts.carried.state(), resumed_at
+        )
         self._pending: RolloutResult | None = None  # the next step's, drawn while training
         self._first: dict[str, Any] = dict(rollouts.data_stats)  # goes with the first record
         steps = cfg.profile.steps
@@ -140,13 +144,15 @@ class Driver:
             if self.cfg.rollout.async_rollout and step < self.cfg.run.num_steps:
                 update = self.trainers.train_async(batch, step)
                 self.recovery.on_train_queued(str(step))  # what a resync would now send
-                after = sampler.state()  # a resume redraws what the prefetch draws
+                # a resume redraws what the prefetch draws, and continues what it continues
+                after, carried = sampler.state(), self.rollouts.carried.state()
                 self._pending = self._until_stopped(self.rollouts.rollout(self.client, step + 1))
                 metrics = update.result()
             else:
                 metrics = self.trainers.train(batch, step)
-                after = sampler.state()
+                after, carried = sampler.state(), self.rollouts.carried.state()
         self.progress.completed, self.progress.sampler = step, after
+        self.progress.carried = carried
         return metrics
 
     def sync(self, step: int) -> dict[str, float]:
@@ -182,7 +188,9 @@ class Driver:
             self._save(step)
 
     def _save(self, step: int) -> None:
-        self.trainers.save(step, {"sampler": self.progress.sampler})
+        self.trainers.save(
+            step, {"sampler": self.progress.sampler, "partial": self.progress.carried}
+        )
         self.progress.saved = step
 
     def finish(self) -> int:

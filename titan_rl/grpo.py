@@ -122,6 +122,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
         if resumed:
             start = int(resumed["step"])
             loop.sampler.restore(resumed["sampler"])
+            loop.carried.restore(resumed.get("partial", []))
             print(f"resumed from {loop.run_dir / 'checkpoints'} at step {start}", flush=True)
         writer = open_metrics(loop.run_dir / "metrics.jsonl", start if resumed else -1)
         # the engines as the plan resolved them, serving the weights of step `start`

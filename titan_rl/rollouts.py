@@ -33,6 +33,7 @@ class Rollouts:
     def __init__(self, cfg: GRPOConfig) -> None:
         from titan_core.data.tokenizer import build_tokenizer
         from titan_rl.data import PromptSampler, load_prompts, stop_token_ids
+        from titan_rl.rollout.partial import PartialBuffer
         from titan_rl.rollout.rewarding import SampleRewarder
 
         self.cfg = cfg
@@ -49,6 +50,8 @@ class Rollouts:
             self.data_stats["data/eval_skipped_rows"] = held_out.skipped
             _skipped_note(held_out, "data.eval_path", cfg)
         self.sampler = PromptSampler(train.prompts, cfg.run.seed)
+        #: groups a rollout left running, continued by the next one (rollout.partial)
+        self.carried = PartialBuffer()
         #: where a response ends: end of text and the task's own stop texts
         self.stop_ids = stop_token_ids(self.tok, train.stop, f"data.type={cfg.data.type}")
         #: scores samples in place off the event loop, each call under reward.timeout_s
@@ -75,17 +78,21 @@ class Rollouts:
         return await (work if self.recovery is None else self.recovery.guard(work))
 
     async def rollout(self, client: EngineClient, step: int) -> RolloutResult:
-        """``rollout.prompts_per_step`` groups that passed the dynamic filter."""
+        """``rollout.prompts_per_step`` groups that passed the dynamic filter (with
+        rollout.partial, the groups the last rollout left go first, and new prompts fill up
+        to ``prompts_per_step x over_sample_factor`` in flight)."""
         from titan_rl.rollout.generate import generate_groups
 
         r = self.cfg.rollout
-        n_prompts = int(r.prompts_per_step * r.over_sample_factor)
+        carried = self.carried.take()
+        n_prompts = max(0, int(r.prompts_per_step * r.over_sample_factor) - len(carried))
         prompts = self.sampler.take(n_prompts)
         result = await self._watched(generate_groups(
             client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
             want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
-            versions=self.versions(), num_layers=self.cfg.model.num_layers,
+            versions=self.versions(), num_layers=self.cfg.model.num_layers, carried=carried,
         ))  # fmt: skip
+        self.carried.put(result.carry)
         if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
             raise RuntimeError(
                 f"step {step}: only {len(result.samples) // r.n_samples_per_prompt} groups passed "

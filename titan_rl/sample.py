@@ -40,6 +40,10 @@ class Sample:
     #: the weight version the engine generated it with (SGLang's meta_info.weight_version);
     #: the rollout refuses or counts one the policy does not expect (rollout.on_stale_version)
     weight_version: str = ""
+    #: the weight version that produced each response token ("" for a token the model did
+    #: not write, e.g. a tool's reply); a partial rollout continued across a weight update
+    #: holds several. Empty: every token is ``weight_version``'s
+    weight_versions: list[str] = field(default_factory=list)
     #: the prompt's metadata; a multi-turn rollout adds ``turns``, ``tool_calls`` and
     #: ``stop_reason`` (titan_rl.rollout.multiturn)
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -54,3 +58,9 @@ class Sample:
     @property
     def response_length(self) -> int:
         return len(self.response_tokens)
+
+    def token_versions(self) -> list[str]:
+        """The weight version of each response token (see ``weight_versions``)."""
+        if len(self.weight_versions) == self.response_length:
+            return list(self.weight_versions)
+        return [self.weight_version] * self.response_length

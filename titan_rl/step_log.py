@@ -30,7 +30,31 @@ def step_record(step: int, result: RolloutResult, measured: dict[str, Any]) -> d
         "rollout/weight_version": ",".join(sorted({s.weight_version for s in samples})),
         "data/prompt_hash": result.prompt_hash,
         **multi_turn_stats(samples),
+        **version_stats(samples, str(step - 1)),
+        "rollout/carried_groups": len(result.carry),
         **measured,
+    }
+
+
+def version_stats(samples: list[Sample], policy_version: str) -> dict[str, float]:
+    """How far off-policy the step's tokens are: the share of model-written tokens generated
+    by another weight version than the policy being trained (``policy_version``; all of them
+    under rollout.async, some under rollout.partial), the most weight updates between a
+    token's version and the policy's (numeric versions, as the GRPO job's), and the samples
+    a partial rollout continued across a weight update."""
+    versions = [v for s in samples for v in s.token_versions() if v]
+    off = sum(v != policy_version for v in versions)
+    lags = [int(policy_version) - int(v) for v in set(versions) if v.isdigit()]
+    numeric = [int(v) for v in versions if v.isdigit()]
+    newest = max(numeric, default=0)
+    n = len(versions)
+    return {
+        "rollout/off_policy_token_share": off / n if n else 0.0,
+        # written by an older version than the step's newest tokens: carried across a
+        # weight update (0 without rollout.partial, async or not)
+        "rollout/carried_token_share": sum(v < newest for v in numeric) / n if n else 0.0,
+        "rollout/token_lag_max": max(lags, default=0) if policy_version.isdigit() else 0,
+        "rollout/continued_samples": sum(bool(s.metadata.get("continued")) for s in samples),
     }
 
 
@@ -67,6 +91,11 @@ def status_line(rec: dict[str, Any], total: int) -> str:
     if "rollout/tool_use_rate" in rec:
         parts.append(
             f"turns {rec['rollout/turns_mean']:.2f} tool use {rec['rollout/tool_use_rate']:.2f}"
+        )
+    if rec.get("rollout/carried_groups") or rec.get("rollout/continued_samples"):
+        parts.append(
+            f"partial: continued {rec['rollout/continued_samples']} / carried "
+            f"{rec['rollout/carried_groups']} groups"
         )
     if rec.get("reward/timeouts") or rec.get("reward/invalid"):
         parts.append(f"reward timeouts {rec['reward/timeouts']} / invalid {rec['reward/invalid']}")

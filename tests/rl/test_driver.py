@@ -20,6 +20,7 @@ from titan_rl.data import Prompt, PromptSampler
 from titan_rl.driver import Driver
 from titan_rl.grpo import _train, resolve_config
 from titan_rl.rollout.generate import RolloutResult
+from titan_rl.rollout.partial import PartialBuffer
 from titan_rl.sample import Sample, Status
 from titan_rl.step_log import open_metrics
 
@@ -92,6 +93,7 @@ class FakeRollouts:
         self.tok = type("Tok", (), {"eod": 0})()
         prompts = [Prompt(f"{i}+1=", str(i + 1), {}) for i in range(50)]
         self.sampler = PromptSampler(prompts, seed=cfg.run.seed)
+        self.carried = PartialBuffer()
         self.data_stats = {"data/skipped_rows": 3}
         self.recovery = FakeRecovery(log)
 

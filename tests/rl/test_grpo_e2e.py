@@ -82,27 +82,43 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
     assert "time/release" not in recs[7]
 
 
-def test_async_rollout_resumes_after_a_kill(tmp_path, base):
-    """Async (one-step off-policy, TIS on by default), killed after step 4 but before its
-    checkpoint counted (the tracker rewound to step 2): the rerun resumes at step 2, draws
-    the prompts the first run drew for steps 3-4, and records every step once."""
+ASYNC_PARTIAL = (
+    "rollout.async=true", "rollout.partial=true", "rollout.over_sample_factor=1.5",
+    "run.save_interval=2",
+)  # fmt: skip
+
+
+def test_async_partial_rollout_resumes_after_a_kill(tmp_path, base):
+    """Async (one-step off-policy, TIS on by default) with partial rollouts (24 groups in
+    flight for 16 per step: 8 carried to the next step), killed after step 4 but before its
+    checkpoint counted (the tracker rewound to step 2): the rerun resumes at step 2 with the
+    groups step 2's checkpoint carried, draws the prompts the first run drew for steps 3-4
+    (the prompt hash covers the carried groups' prompts too), and records every step once."""
     shm = Path("/dev/shm")
     before = set(shm.glob("torch_*")) if shm.is_dir() else set()
     run_dir = tmp_path / "async"
-    _grpo(run_dir, base, 4, "rollout.async=true", "run.save_interval=2")
+    _grpo(run_dir, base, 4, *ASYNC_PARTIAL)
     first = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "reward/mean" in r}
     assert sorted(first) == [1, 2, 3, 4]
     assert all("train/tis_mean" in r for r in first.values())
+    assert all(r["rollout/carried_groups"] == 8 for r in first.values())
+    # step 1 is drawn on the start-up weights it trains; each later one during the update
+    # before it, one version behind
+    assert [first[s]["rollout/off_policy_token_share"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert max(r["rollout/carried_token_share"] for r in first.values()) > 0
     assert len({r["data/prompt_hash"] for r in first.values()}) == 4
     (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
 
-    proc = _grpo(run_dir, base, 4, "rollout.async=true", "run.save_interval=2")
+    proc = _grpo(run_dir, base, 4, *ASYNC_PARTIAL)
     assert "at step 2" in proc.stdout and "dropped 2 records past step 2" in proc.stdout
     recs = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in recs] == [0, 1, 2, 3, 4]
-    assert [r["data/prompt_hash"] for r in recs[1:]] == [
-        first[s]["data/prompt_hash"] for s in (1, 2, 3, 4)
+    # step 3 starts from the carried groups step 2's checkpoint holds, and the same new
+    # prompts; which of its groups finish first, so what step 4 continues, is the engines'
+    assert [r["data/prompt_hash"] for r in recs[1:4]] == [
+        first[s]["data/prompt_hash"] for s in (1, 2, 3)
     ]
+    assert all(r["rollout/carried_groups"] == 8 for r in recs[1:])
     # the tensor transport's shared-memory buckets are unlinked once trainer and engine stop
     if shm.is_dir():
         assert set(shm.glob("torch_*")) - before == set()

@@ -301,6 +301,10 @@ class DataConfig(TokenizerFields, ArithmeticFields):
     num_samples: PositiveInt = 200_000
     #: where built datasets and their index cache go (None: ``<run.dir>/data``).
     cache_dir: str | None = None
+    #: arithmetic_sft: share of rows written as calculator transcripts
+    #: (``123+456=CALC(123+456)=579 579``, no loss on the calculator's ``=579``; see
+    #: titan_core/data/calc_transcript.py) instead of direct answers; 0: direct answers only.
+    tool_fraction: float = Field(0.0, ge=0.0, le=1.0)
 
     @field_validator("data_path", mode="before")
     @classmethod
@@ -314,6 +318,14 @@ class DataConfig(TokenizerFields, ArithmeticFields):
     def _check(self) -> DataConfig:
         if self.type == "indexed" and not self.data_path:
             raise ValueError("data.data_path is required when data.type=indexed")
+        if self.tool_fraction > 0 and (
+            self.type != "arithmetic_sft" or self.arithmetic_format != "plain"
+        ):
+            raise ValueError(
+                "data.tool_fraction needs data.type=arithmetic_sft and "
+                "data.arithmetic_format=plain (calculator transcripts answer the plain sum); "
+                f"got data.type={self.type}, data.arithmetic_format={self.arithmetic_format}"
+            )
         self.split_weights()
         self.blend()
         return self

@@ -63,6 +63,7 @@ def build_gpt_datasets(cfg: PretrainConfig, tokenizer, train_samples: int, valid
                 cfg.model.seq_length,
                 tokenizer,
                 split=split,
+                tool_fraction=d.tool_fraction,
             )
 
         return rows(d.num_samples, "train"), (

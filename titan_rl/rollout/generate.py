@@ -15,11 +15,9 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
@@ -32,6 +30,8 @@ from titan_rl.rollout.hooks import (
     load_generate_fn,
     per_group,
 )
+from titan_rl.rollout.outputs import finish_status, routed_experts_tensor
+from titan_rl.rollout.partial import CarriedGroup, continue_group
 from titan_rl.rollout.rewarding import RewardCounts
 from titan_rl.rollout.versions import (
     MAX_RESENDS,
@@ -74,6 +74,9 @@ class RolloutResult:
     #: responses generated with a weight version the rollout does not accept (refused and
     #: generated again, or kept under rollout.on_stale_version=keep)
     stale_samples: int = 0
+    #: groups left running (rollout.partial): aborted with their tokens, or finished after
+    #: the step had enough; the next rollout continues them
+    carry: list[CarriedGroup] = dataclasses.field(default_factory=list)
 
 
 def prompt_fingerprint(prompts: list[Prompt]) -> str:
@@ -97,28 +100,6 @@ def _fill_dropped(group: list[Sample]) -> None:
             s.reward = fill
 
 
-def routed_experts_tensor(out: GenerateOutput, num_layers: int | None) -> torch.Tensor | None:
-    """The answer's routed experts ``[tokens, num_layers, top_k]`` (None when not asked, or
-    for a request aborted before it ran)."""
-    if num_layers is None:
-        return None
-    routed = out.routed_experts(num_layers)
-    if routed is None and out.aborted:  # aborted while queued: the prompt never ran
-        return None
-    if routed is None:
-        raise EngineError(
-            "rollout.return_routed_experts is on but the engine answered no routed_experts; "
-            "serve an MoE model (SGLang: launched with --enable-return-routed-experts)"
-        )
-    return torch.from_numpy(routed)
-
-
-def _status(out: GenerateOutput) -> Status:
-    return {"length": Status.TRUNCATED, "abort": Status.ABORTED}.get(
-        out.finish_type, Status.COMPLETED
-    )
-
-
 def sample_from(
     template: Sample, out: GenerateOutput, i: int, routing_layers: int | None = None
 ) -> Sample:
@@ -129,7 +110,8 @@ def sample_from(
         prompt_tokens=list(template.prompt_tokens),
         response_tokens=list(out.output_ids),
         rollout_log_probs=list(out.output_logprobs or []),
-        status=_status(out),
+        status=finish_status(out),
+        weight_versions=[out.weight_version or ""] * len(out.output_ids),
         weight_version=out.weight_version or "",
         metadata=dict(template.metadata),
         rollout_routed_experts=routed_experts_tensor(out, routing_layers),
@@ -244,10 +226,13 @@ async def generate_groups(
     seed: int,
     versions: VersionCheck | None = None,
     num_layers: int | None = None,
+    carried: Sequence[CarriedGroup] = (),
 ) -> RolloutResult:
-    """Generate groups for ``prompts``; keep the first ``want_groups`` that pass the filter.
+    """Generate groups for ``carried`` (an earlier rollout's, continued first) and
+    ``prompts``; keep the first ``want_groups`` that pass the filter.
 
-    With over-sampling, groups still running once enough have passed are aborted. A
+    With over-sampling, groups still running once enough have passed are aborted: dropped,
+    or with ``cfg.partial`` kept with their tokens in ``RolloutResult.carry``. A
     RewardError (an invalid reward under reward.on_invalid=error) fails the rollout even
     when enough other groups passed. ``versions``: see :class:`VersionCheck`.
     ``num_layers``: the model's layers, to shape the routed experts that
@@ -269,35 +254,52 @@ async def generate_groups(
         "stop_token_ids": stop_token_ids,
     }
     kept: list[list[Sample]] = []
+    carry: list[CarriedGroup] = []
     stats = {"generated": 0, "filtered": 0}
     counts = RewardCounts()
     enough = asyncio.Event()
+    aborting = False  # the leftovers' requests are being aborted (rollout.partial keeps them)
 
-    async def one(g: int, prompt: Prompt) -> None:
-        group = await run_group(fn, ctx, prompt, encode(prompt.text), g, params, seed)
-        counts.add(await reward_fn(group))
-        _fill_dropped(group)
-        stats["generated"] += 1
-        if cfg.dynamic_filter and len({s.reward for s in group}) == 1:
-            stats["filtered"] += 1
-            return
+    async def one(g: int, prompt: Prompt, held: CarriedGroup | None) -> None:
+        if held is not None and held.scored:
+            group = held.samples
+        else:
+            if held is None:
+                group = await run_group(fn, ctx, prompt, encode(prompt.text), g, params, seed)
+            else:
+                seeds = [sample_seed(seed, g, i) for i in range(len(held.samples))]
+                group = await continue_group(ctx, held, params, seeds)
+            if cfg.partial and aborting and any(s.status == Status.ABORTED for s in group):
+                carry.append(CarriedGroup(prompt, group))
+                return
+            counts.add(await reward_fn(group))
+            _fill_dropped(group)
+            stats["generated"] += 1
+            if cfg.dynamic_filter and len({s.reward for s in group}) == 1:
+                stats["filtered"] += 1
+                return
+        for i, s in enumerate(group):
+            s.group_index, s.index = g, i
         if len(kept) < want_groups:
             kept.append(group)
             if len(kept) == want_groups:
                 enough.set()
+        elif cfg.partial:
+            carry.append(CarriedGroup(prompt, group, scored=True))
 
-    tasks = [asyncio.create_task(one(g, p)) for g, p in enumerate(prompts)]
+    work = [(h.prompt, h) for h in carried] + [(p, None) for p in prompts]
+    tasks = [asyncio.create_task(one(g, p, h)) for g, (p, h) in enumerate(work)]
     waiter = asyncio.create_task(enough.wait())
     all_done = asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.wait([waiter, all_done], return_when=asyncio.FIRST_COMPLETED)
     leftovers = [t for t in tasks if not t.done()]
     if leftovers:
-        try:  # one attempt: an engine that is down has nothing running to abort
-            await client.abort_request(abort_all=True, retries=0)
-        except EngineError as e:
-            log.warning("could not abort the leftover requests: %s", e)
-        for t in leftovers:
-            t.cancel()
+        aborting = True
+        if not (cfg.partial and await _abort_until_returned(client, leftovers)):
+            if not cfg.partial:
+                await _abort_once(client)
+            for t in leftovers:
+                t.cancel()
     results = await all_done
     waiter.cancel()
     errors = [
@@ -314,11 +316,48 @@ async def generate_groups(
         groups_generated=stats["generated"],
         groups_filtered=stats["filtered"],
         truncated=sum(s.status == Status.TRUNCATED for s in samples),
-        prompt_hash=prompt_fingerprint(prompts),
+        prompt_hash=prompt_fingerprint([p for p, _ in work]),
         reward_timeouts=counts.timeouts,
         reward_invalid=counts.invalid,
         stale_samples=ctx.stats["stale"],
+        carry=carry,
     )
+
+
+async def _abort_once(client: EngineClient) -> bool:
+    """Abort every request the engines run; False when that failed."""
+    try:  # one attempt: an engine that is down has nothing running to abort
+        await client.abort_request(abort_all=True, retries=0)
+    except EngineError as e:
+        log.warning("could not abort the leftover requests: %s", e)
+        return False
+    return True
+
+
+#: how long a partial rollout waits for aborted requests to come back before aborting again
+#: (a request the client had queued goes out after the first abort)
+ABORT_WAIT_S = 0.5
+#: how long it keeps aborting before it gives up on the groups still out (they are dropped)
+ABORT_DEADLINE_S = 60.0
+
+
+async def _abort_until_returned(client: EngineClient, leftovers: list[asyncio.Task]) -> bool:
+    """Abort the engines' requests until every leftover group came back with what it had;
+    False when an abort failed or the groups were not all back within ABORT_DEADLINE_S (the
+    caller then cancels what is left)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + ABORT_DEADLINE_S
+    while loop.time() < deadline:
+        if not await _abort_once(client):
+            return False
+        _, pending = await asyncio.wait(leftovers, timeout=ABORT_WAIT_S)
+        if not pending:
+            return True
+    log.warning(
+        "%d groups were still out %.0f s after their requests were aborted; dropping them",
+        sum(not t.done() for t in leftovers), ABORT_DEADLINE_S,
+    )  # fmt: skip
+    return False
 
 
 async def evaluate(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from titan_rl.rollout.generate import routed_experts_tensor
 from titan_rl.rollout.hooks import RolloutContext
+from titan_rl.rollout.outputs import routed_experts_tensor
 from titan_rl.rollout.tools import Env
 from titan_rl.sample import Sample, Status
 
@@ -55,6 +55,7 @@ async def run_multi_turn(
     response: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
+    versions: list[str] = []  # per response token: the model's turn's version, "" for a reply
     have_logprobs = True
     calls: list[dict[str, Any]] = []
     turns = 0
@@ -74,6 +75,7 @@ async def run_multi_turn(
         have_logprobs &= lps is not None and len(lps) == len(ids)
         response += ids
         mask += [1] * len(ids)
+        versions += [out.weight_version or ""] * len(ids)
         logprobs += list(lps) if have_logprobs else [0.0] * len(ids)
         if out.aborted:
             status, stop_reason = Status.ABORTED, "abort"
@@ -99,6 +101,7 @@ async def run_multi_turn(
             break
         response += tokens
         mask += [0] * len(tokens)
+        versions += [""] * len(tokens)
         logprobs += [0.0] * len(tokens)
     return dataclasses.replace(
         sample,
@@ -109,6 +112,7 @@ async def run_multi_turn(
         loss_mask=mask,
         status=status,
         weight_version=(last.weight_version or "") if last is not None else "",
+        weight_versions=versions,
         metadata={
             **sample.metadata,
             "turns": turns,

@@ -1,0 +1,139 @@
+"""Partial rollouts (``rollout.partial``) against waiting for every response, at the same
+samples per step, on a long-tailed response length.
+
+    python bench/partial_rollout.py [--steps 20] [--mode async|sync] [--prompts P --n N]
+
+Runs ``python -m titan_rl.grpo`` twice on the same policy, data and seed: once as configured
+(every step waits for its last response) and once with ``rollout.partial=true
+rollout.over_sample_factor=2`` (a step takes the first ``prompts_per_step`` groups to finish;
+the others are aborted, carried with their tokens and continued on the next weights). Both
+train ``prompts_per_step x n_samples_per_prompt`` samples per step.
+
+The policy is a randomly initialised Llama (hidden 64, 2 layers, vocabulary 300) read as an
+HF checkpoint: its next-token distribution is near uniform, so a response ends at each token
+with the chance that one of the task's two stop tokens (end of text, newline) is drawn:
+lengths are geometric (a mean of ~110 tokens measured), capped at ``--max-len`` (the tail a step
+waits for). Rewards are all 0 (it never answers right), so the weights do not move and the
+length distribution stays the same through the run; the trainer still runs every forward
+and backward.
+
+It prints, per run, the mean ``time/step`` (the driver's wall time of a whole step: rollout,
+train, sync) over the steps after ``WARMUP`` and before the last (which evaluates), the
+response length, and the share of trained tokens written by another weight version than the
+policy being trained (``rollout/off_policy_token_share``; 1.0 under async for both) and by
+an older one than the step's newest tokens (``rollout/carried_token_share``: what partial
+rollouts add), then the step-time ratio. Goal: >= 1.3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titan_core.training.metrics import read_metrics  # noqa: E402
+
+WARMUP = 2
+PARTIAL = ["rollout.partial=true", "rollout.over_sample_factor=2"]
+
+
+def build_policy(path: Path, vocab: int = 300) -> None:
+    """A random Llama in HF format (near-uniform next-token distribution)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(path)
+
+
+def model_overrides(path: Path) -> list[str]:
+    from titan_core.models.hf.convert import model_config_from_hf
+
+    model = model_config_from_hf(path, seq_length=64, transformer_impl="local")
+    return [
+        f"model.{k}={v}"
+        for k, v in model.model_dump(exclude_none=True).items()
+        if not isinstance(v, list | dict)
+    ]
+
+
+def run(tmp: Path, name: str, policy: Path, args: argparse.Namespace, extra: list[str]) -> dict:
+    run_dir = tmp / name
+    cmd = [
+        sys.executable, "-m", "titan_rl.grpo", "--config", "examples/math.yaml",
+        "policy.format=hf", f"policy.load={policy}", *model_overrides(policy),
+        f"run.dir={run_dir}", f"run.num_steps={args.steps}", "run.eval_interval=1000",
+        "run.save_interval=0", "sync.check_every=0", "data.num_eval=4",
+        f"rollout.prompts_per_step={args.prompts}", f"rollout.n_samples_per_prompt={args.n}",
+        f"rollout.max_response_len={args.max_len}", f"rollout.async={args.mode == 'async'}",
+        f"train.micro_batch_size={args.prompts * args.n}",
+        f"train.global_batch_size={args.prompts * args.n}", "ppo_steps=1", *extra,
+    ]  # fmt: skip
+    start = time.perf_counter()
+    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "time/step" in r]
+    timed = recs[WARMUP:-1]
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in timed)
+
+    return {
+        "wall": wall,
+        "step": mean("time/step"),
+        "rollout": mean("time/rollout"),
+        "length": mean("response/length_mean"),
+        "truncated": mean("response/truncated_frac"),
+        "off_policy": mean("rollout/off_policy_token_share"),
+        "carried": mean("rollout/carried_token_share"),
+        "lag": max(r["rollout/token_lag_max"] for r in timed),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-len", type=int, default=320)
+    ap.add_argument("--prompts", type=int, default=8, help="rollout.prompts_per_step")
+    ap.add_argument("--n", type=int, default=4, help="rollout.n_samples_per_prompt")
+    ap.add_argument("--mode", choices=["async", "sync"], default="async")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
+    args = ap.parse_args()
+    if args.steps < WARMUP + 2:
+        ap.error(f"--steps must be at least {WARMUP + 2} (warm-up, one timed step, the last)")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = args.keep or Path(d)
+        policy = tmp / "policy"
+        build_policy(policy)
+        results = {
+            "wait for all": run(tmp, "full", policy, args, []),
+            "partial": run(tmp, "partial", policy, args, PARTIAL),
+        }
+    print(f"{args.mode} rollout, {args.prompts} prompts x {args.n} samples per step, response "
+          f"budget {args.max_len}; "
+          f"mean over steps {WARMUP + 1}-{args.steps - 1}")  # fmt: skip
+    for name, r in results.items():
+        print(
+            f"  {name:<13} step {r['step']:.2f} s (rollout {r['rollout']:.2f} s) | response "
+            f"length {r['length']:.0f}, truncated {r['truncated']:.0%} | tokens off-policy "
+            f"{r['off_policy']:.0%}, carried across an update {r['carried']:.0%}, lag max "
+            f"{r['lag']} | whole command {r['wall']:.0f} s"
+        )
+    ratio = results["wait for all"]["step"] / results["partial"]["step"]
+    print(f"partial rollouts: {ratio:.2f}x faster per step (goal >= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
