@@ -35,18 +35,50 @@ def test_offload_min_tensor_size_reaches_megatron() -> None:
     assert tf.min_offloaded_tensor_size == 123
 
 
+def test_recompute_keys_reach_megatron_and_bad_combinations_name_the_keys() -> None:
+    from titan_core.accelerator.cpu import CpuAccelerator
+    from titan_core.models.gpt import build_transformer_config
+
+    sel = ["train.recompute_granularity=selective", "train.recompute_modules=[mlp,core_attn]"]
+    tf = build_transformer_config(load_config(PretrainConfig, None, sel), CpuAccelerator())
+    assert tf.recompute_granularity == "selective"
+    assert tf.recompute_modules == ["mlp", "core_attn"]
+    full = [
+        "train.recompute_granularity=full", "train.recompute_method=block",
+        "train.recompute_num_layers=1",
+    ]  # fmt: skip
+    tf = build_transformer_config(load_config(PretrainConfig, None, full), CpuAccelerator())
+    assert (tf.recompute_granularity, tf.recompute_method, tf.recompute_num_layers) == (
+        "full", "block", 1,
+    )  # fmt: skip
+    off = build_transformer_config(load_config(PretrainConfig, None, []), CpuAccelerator())
+    assert off.recompute_granularity is None
+    for bad, key in (
+        (["train.recompute_granularity=full"], "train.recompute_method"),
+        (["train.recompute_num_layers=2"], "train.recompute_granularity=full"),
+        (["train.recompute_granularity=selective", "train.recompute_modules=[]"],
+         "train.recompute_modules"),
+        (["train.recompute_granularity=selective", "train.recompute_modules=[mpl]"],
+         "train.recompute_modules"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=key.replace("[", r"\[")):
+            load_config(PretrainConfig, None, bad)
+
+
 @pytest.mark.slow
 def test_offload_lowers_resident_peak_with_bit_identical_grads(tmp_path: Path) -> None:
     import subprocess
 
     out = tmp_path / "rows.json"
     cmd = [
-        sys.executable, str(BENCH), "--cases", "off,attention_mlp", "--schedules",
+        sys.executable, str(BENCH), "--cases", "off,attention_mlp,attention_mlp+recompute_mlp",
+        "--schedules",
         "1F1B PP2,VPP PP2xVPP2", "--steps", "0", "--json", str(out),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [r for r in json.loads(out.read_text()) if r["case"] == "attention_mlp"]
+    every = json.loads(out.read_text())
+    rows = [r for r in every if r["case"] == "attention_mlp"]
     assert {(r["schedule"], r["rank"]) for r in rows} == {
         (s, rank) for s in ("1F1B PP2", "VPP PP2xVPP2") for rank in (0, 1)
     }
@@ -56,3 +88,12 @@ def test_offload_lowers_resident_peak_with_bit_identical_grads(tmp_path: Path) -
         # both counted steps: megatron's warm-up step and a steady one
         assert all(0 < ratio < 1 for ratio in r["ratio"]), r
         assert all(b > 0 for b in r["peak_offloaded_bytes"]), r
+    # the MLP's interior, which no offload switch reaches, recomputed instead: fewer bytes
+    # still, the same gradients
+    offload_only = {(r["schedule"], r["rank"]): r["peak_resident_bytes"] for r in rows}
+    both = [r for r in every if r["case"] == "attention_mlp+recompute_mlp"]
+    assert len(both) == 4
+    for r in both:
+        assert r["grads_bit_identical"], r
+        fewer = zip(r["peak_resident_bytes"], offload_only[(r["schedule"], r["rank"])], strict=True)
+        assert all(a < b for a, b in fewer), r

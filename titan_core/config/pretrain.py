@@ -239,6 +239,40 @@ class TrainConfig(Section):
     #: tensors with fewer elements than this stay resident under train.offload_modules
     #: (megatron's min_offloaded_tensor_size).
     offload_min_tensor_size: int = Field(1024 * 1024, ge=0)
+    #: megatron's activation recompute: "selective" recomputes train.recompute_modules in
+    #: backward instead of saving their activations; "full" recomputes whole layers
+    #: (train.recompute_method, train.recompute_num_layers). None: everything is saved.
+    recompute_granularity: Literal["full", "selective"] | None = None
+    #: full recompute: "uniform" (every layer, in units of recompute_num_layers) or "block"
+    #: (the first recompute_num_layers layers of each pipeline stage).
+    recompute_method: Literal["uniform", "block"] | None = None
+    #: full recompute: layers per unit (uniform) or per stage (block).
+    recompute_num_layers: PositiveInt | None = None
+    #: selective recompute: core_attn, mlp (the dense MLP), layernorm, moe, moe_act (grouped
+    #: GEMM experts), shared_experts, mla_up_proj (megatron's choices).
+    recompute_modules: list[
+        Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"]
+    ] = Field(default_factory=lambda: ["core_attn"])
+
+    @model_validator(mode="after")
+    def _check_recompute(self) -> TrainConfig:
+        full = self.recompute_granularity == "full"
+        if full and (self.recompute_method is None or self.recompute_num_layers is None):
+            raise ValueError(
+                "train.recompute_granularity=full needs train.recompute_method (uniform or "
+                "block) and train.recompute_num_layers"
+            )
+        if not full and (self.recompute_method or self.recompute_num_layers):
+            raise ValueError(
+                "train.recompute_method and train.recompute_num_layers apply to "
+                "train.recompute_granularity=full only; selective recompute uses "
+                "train.recompute_modules"
+            )
+        if self.recompute_granularity == "selective" and not self.recompute_modules:
+            raise ValueError(
+                "train.recompute_granularity=selective needs train.recompute_modules (e.g. [mlp])"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:

@@ -170,6 +170,13 @@ def build_transformer_config(
             kwargs["moe_enable_routing_replay"] = True
     if t.fp8 and not emulated_fp8:
         kwargs.update(fp8=t.fp8, fp8_recipe=t.fp8_recipe)
+    if t.recompute_granularity:
+        kwargs.update(
+            recompute_granularity=t.recompute_granularity,
+            recompute_method=t.recompute_method,
+            recompute_num_layers=t.recompute_num_layers,
+            recompute_modules=list(t.recompute_modules),
+        )
     if t.offload_modules:
         kwargs.update(
             fine_grained_activation_offloading=True,
