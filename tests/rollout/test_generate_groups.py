@@ -74,7 +74,9 @@ class FakeSGLang:
         return httpx.Response(200, json=[_out(body, [ord(a), STOP], "stop") for a in answers])
 
 
-def _out(body: dict[str, Any], ids: list[int], finish: str) -> dict[str, Any]:
+def _out(
+    body: dict[str, Any], ids: list[int], finish: str, version: str = "7", lp: float = -0.5
+) -> dict[str, Any]:
     reason = {
         "stop": {"type": "stop", "matched": STOP},
         "length": {"type": "length", "length": len(ids)},
@@ -87,8 +89,8 @@ def _out(body: dict[str, Any], ids: list[int], finish: str) -> dict[str, Any]:
             "finish_reason": reason,
             "prompt_tokens": len(body["input_ids"]),
             "completion_tokens": len(ids),
-            "weight_version": "7",
-            "output_token_logprobs": [[-0.5, t, None] for t in ids],
+            "weight_version": version,
+            "output_token_logprobs": [[lp, t, None] for t in ids],
         },
     }
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import torch
 from pydantic import ValidationError
-from test_generate_groups import STOP, decode, encode, starts_with_one
+from test_generate_groups import STOP, _out, decode, encode, starts_with_one
 
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
@@ -53,29 +53,13 @@ class FakeSGLang:
         text, sp = decode(body["input_ids"]), body["sampling_params"]
         n = sp.get("n", 1)
         if text.startswith("fast"):
-            return httpx.Response(200, json=[_out(body, [ord("1"), STOP], "stop", "7")] * n)
+            return httpx.Response(200, json=[_out(body, [ord("1"), STOP], "stop", "7", -0.25)] * n)
         if text.startswith("stuck"):  # an engine that never answers, aborted or not
             await asyncio.Event().wait()
         if text.endswith("aa"):
-            return httpx.Response(200, json=[_out(body, [B, STOP], "stop", "8")] * n)
+            return httpx.Response(200, json=[_out(body, [B, STOP], "stop", "8", -0.75)] * n)
         await self.aborted.wait()
-        return httpx.Response(200, json=[_out(body, [A, A], "abort", "7")] * n)
-
-
-def _out(body: dict[str, Any], ids: list[int], finish: str, version: str) -> dict[str, Any]:
-    reason = {"stop": {"type": "stop", "matched": STOP}, "abort": {"type": "abort"}}[finish]
-    lp = -0.25 if version == "7" else -0.75
-    return {
-        "output_ids": ids,
-        "meta_info": {
-            "id": body["rid"],
-            "finish_reason": reason,
-            "prompt_tokens": len(body["input_ids"]),
-            "completion_tokens": len(ids),
-            "weight_version": version,
-            "output_token_logprobs": [[lp, t, None] for t in ids],
-        },
-    }
+        return httpx.Response(200, json=[_out(body, [A, A], "abort", "7", -0.25)] * n)
 
 
 def _rollout(

@@ -110,8 +110,6 @@ def arithmetic_sft_dataset(
     transcript instead: ``CALC(a+b)=answer answer\\n<eod>``, the loss off on ``=answer``."""
     from titan_core.data.arithmetic import generate_problems
 
-    if not 0.0 <= tool_fraction <= 1.0:
-        raise ValueError(f"data.tool_fraction must be in [0, 1], got {tool_fraction}")
     if tool_fraction > 0 and fmt != "plain":
         raise ValueError(
             f"data.tool_fraction needs data.arithmetic_format=plain (got {fmt!r}): the "

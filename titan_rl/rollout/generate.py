@@ -295,9 +295,12 @@ async def generate_groups(
     leftovers = [t for t in tasks if not t.done()]
     if leftovers:
         aborting = True
-        if not (cfg.partial and await _abort_until_returned(client, leftovers)):
-            if not cfg.partial:
-                await _abort_once(client)
+        if cfg.partial:  # kept: wait for them to come back with what they have
+            returned = await _abort_until_returned(client, leftovers)
+        else:  # dropped
+            await _abort_once(client)
+            returned = False
+        if not returned:
             for t in leftovers:
                 t.cancel()
     results = await all_done

@@ -17,7 +17,6 @@ continues the generations that were in flight.
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,17 +56,15 @@ async def continue_sample(
     (out,) = await ctx.generate(sample.tokens, sp)
     ids = list(out.output_ids)
     version = out.weight_version or ""
-    old_lps, new_lps = sample.rollout_log_probs, out.output_logprobs
-    have = (
-        len(old_lps) == sample.response_length and new_lps is not None and len(new_lps) == len(ids)
-    )
+    old_lps, new_lps = sample.rollout_log_probs, out.output_logprobs or []
+    have = len(old_lps) == sample.response_length and len(new_lps) == len(ids)
     routed = routed_experts_tensor(out, ctx.routing_layers)  # the whole sequence, this pass
     response = sample.response_tokens + ids
     return dataclasses.replace(
         sample,
         response_tokens=response,
         response=ctx.decode(response),
-        rollout_log_probs=[*old_lps, *new_lps] if have and new_lps is not None else [],
+        rollout_log_probs=[*old_lps, *new_lps] if have else [],
         weight_versions=sample.token_versions() + [version] * len(ids),
         weight_version=version or sample.weight_version,
         status=finish_status(out),
@@ -96,9 +93,7 @@ async def continue_group(
 
 
 def _sample_state(s: Sample) -> dict[str, Any]:
-    state = copy.deepcopy({f.name: getattr(s, f.name) for f in dataclasses.fields(s)})
-    state["status"] = str(s.status)
-    return state
+    return {**dataclasses.asdict(s), "status": str(s.status)}  # asdict copies deeply
 
 
 def _sample_from_state(state: dict[str, Any]) -> Sample:
@@ -110,9 +105,6 @@ class PartialBuffer:
 
     def __init__(self) -> None:
         self.groups: list[CarriedGroup] = []
-
-    def __len__(self) -> int:
-        return len(self.groups)
 
     def take(self) -> list[CarriedGroup]:
         """Every carried group (the buffer is left empty)."""
