@@ -18,8 +18,8 @@ length distribution stays the same through the run; the trainer still runs every
 and backward.
 
 It prints, per run, the mean ``time/step`` (the driver's wall time of a whole step: rollout,
-train, sync) over the steps after ``WARMUP`` and before the last (which evaluates), the
-response length, and the share of trained tokens written by another weight version than the
+train, sync) over the steps after ``WARMUP`` and before the last (which evaluates), of which
+the rollout and the trainer's own compute (``time/train_compute``), the response length, and the share of trained tokens written by another weight version than the
 policy being trained (``rollout/off_policy_token_share``; 1.0 under async for both) and by
 an older one than the step's newest tokens (``rollout/carried_token_share``: what partial
 rollouts add), then the step-time ratio. Goal: >= 1.3x.
@@ -78,7 +78,7 @@ def run(tmp: Path, name: str, policy: Path, args: argparse.Namespace, extra: lis
         "run.save_interval=0", "sync.check_every=0", "data.num_eval=4",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.n_samples_per_prompt={args.n}",
         f"rollout.max_response_len={args.max_len}", f"rollout.async={args.mode == 'async'}",
-        f"train.micro_batch_size={args.prompts * args.n}",
+        f"train.micro_batch_size={args.micro_batch or args.prompts * args.n}",
         f"train.global_batch_size={args.prompts * args.n}", "ppo_steps=1", *extra,
     ]  # fmt: skip
     start = time.perf_counter()
@@ -94,6 +94,7 @@ def run(tmp: Path, name: str, policy: Path, args: argparse.Namespace, extra: lis
         "wall": wall,
         "step": mean("time/step"),
         "rollout": mean("time/rollout"),
+        "train": mean("time/train_compute"),
         "length": mean("response/length_mean"),
         "truncated": mean("response/truncated_frac"),
         "off_policy": mean("rollout/off_policy_token_share"),
@@ -109,6 +110,10 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="rollout.prompts_per_step")
     ap.add_argument("--n", type=int, default=4, help="rollout.n_samples_per_prompt")
     ap.add_argument("--mode", choices=["async", "sync"], default="async")
+    ap.add_argument(
+        "--micro-batch", type=int, default=0,
+        help="train.micro_batch_size (default: the whole step's samples in one microbatch)",
+    )  # fmt: skip
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs' folders here")
     args = ap.parse_args()
     if args.steps < WARMUP + 2:
@@ -126,7 +131,8 @@ def main() -> None:
           f"mean over steps {WARMUP + 1}-{args.steps - 1}")  # fmt: skip
     for name, r in results.items():
         print(
-            f"  {name:<13} step {r['step']:.2f} s (rollout {r['rollout']:.2f} s) | response "
+            f"  {name:<13} step {r['step']:.2f} s (rollout {r['rollout']:.2f} s, train "
+            f"{r['train']:.2f} s) | response "
             f"length {r['length']:.0f}, truncated {r['truncated']:.0%} | tokens off-policy "
             f"{r['off_policy']:.0%}, carried across an update {r['carried']:.0%}, lag max "
             f"{r['lag']} | whole command {r['wall']:.0f} s"

@@ -182,12 +182,13 @@ def _engines_error(e: EnginesConfig, problem: tuple[str, str]) -> str:
 def engine_launch(cfg: GRPOConfig, backend: str, accelerator: str) -> EngineLaunch:
     """The GRPO job's engines, resolved from ``engines.*`` and ``run.dir``: the one place the
     engine section becomes a launch (the engines serve the start-up weights the trainer
-    writes to ``<run.dir>/hf_start`` and log to ``<run.dir>/logs``)."""
+    writes to ``<run.dir>/hf_start``, with the run's tokenizer beside them so that stop
+    texts match, and log to ``<run.dir>/logs``)."""
     e, run_dir = cfg.engines, Path(cfg.run.dir)
     return EngineLaunch(
         model_path=str(run_dir / "hf_start"), backend=backend, device=accelerator,
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
-        enable_memory_saver=e.colocate, api_key=e.api_key, skip_tokenizer_init=True,
+        enable_memory_saver=e.colocate, api_key=e.api_key,
         num_threads=e.num_threads, log_dir=str(run_dir / "logs"), dtype=e.dtype,
         enable_return_routed_experts=cfg.rollout.return_routed_experts,
     )  # fmt: skip

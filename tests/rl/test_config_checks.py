@@ -39,7 +39,7 @@ def test_the_plan_resolves_each_engines_launch_once(tmp_path):
         "builtin", "cpu", 1, 3,
     )  # fmt: skip
     assert launch.model_path == str(tmp_path / "hf_start")
-    assert launch.log_dir == str(tmp_path / "logs") and launch.skip_tokenizer_init
+    assert launch.log_dir == str(tmp_path / "logs") and not launch.skip_tokenizer_init
     with pytest.raises(ValidationError, match="frozen"):
         launch.num_threads = 4  # type: ignore[misc]
     # the one value travels YAML -> EnginesConfig -> the launch -> argv

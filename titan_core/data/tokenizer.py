@@ -24,6 +24,28 @@ def vocab_sha256(tokens: Iterable[tuple[int, str]]) -> str:
     return h.hexdigest()
 
 
+def _byte_symbols() -> list[str]:
+    """The printable character that stands for each byte in a byte-level BPE vocabulary
+    (the GPT-2 convention ``tokenizers``' ByteLevel pre-tokenizer maps bytes with):
+    printable Latin-1 bytes stand for themselves, the others for 256, 257, ... in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    out, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+#: what transformers reads besides tokenizer.json, copied beside exported weights
+HF_TOKENIZER_FILES = (
+    "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "chat_template.jinja", "added_tokens.json",
+)  # fmt: skip
+
+
 class ByteTokenizer:
     """UTF-8 bytes 0..255, then ``<eod>`` = 256 and ``<pad>`` = 257."""
 
@@ -48,6 +70,24 @@ class ByteTokenizer:
 
     decode = detokenize
 
+    def save_hf(self, directory: str | Path) -> None:
+        """This tokenizer as HF files (tokenizer.json, tokenizer_config.json) beside exported
+        weights, so transformers' AutoTokenizer and SGLang load it: a byte-level BPE with
+        no merges gives every byte its own id (the byte's value) and decodes as
+        :meth:`detokenize` does."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(
+            [AddedToken("<eod>", special=True), AddedToken("<pad>", special=True)]
+        )
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eod>", pad_token="<pad>")
+        hf.save_pretrained(str(directory))
+
     def vocab_fingerprint(self, num_ids: int | None = None) -> str:
         """sha256 of the tokens with ids below ``num_ids`` (all by default)."""
         names = [f"<0x{b:02X}>" for b in range(256)] + ["<eod>", "<pad>"]
@@ -68,6 +108,7 @@ class HFTokenizer:
                 f"no tokenizer at {path}: give a tokenizer.json file or a directory holding one"
             )
         self._tok = Tokenizer.from_file(str(file))
+        self.file = file
         self.unique_identifiers = OrderedDict(cls="HFTokenizer", path=str(file))
         self.unique_description = f"HFTokenizer({file})"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -95,6 +136,28 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in np.asarray(ids).tolist()])
 
     decode = detokenize
+
+    def save_hf(self, directory: str | Path) -> None:
+        """tokenizer.json and the HF tokenizer files beside it, copied to ``directory``;
+        without a tokenizer_config.json there, one naming the fast tokenizer and its end of
+        text, so AutoTokenizer loads it whatever model type the weights declare."""
+        import json
+        import shutil
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        if out.resolve() == self.file.parent.resolve():
+            return
+        shutil.copyfile(self.file, out / "tokenizer.json")
+        for name in HF_TOKENIZER_FILES:
+            if (self.file.parent / name).is_file():
+                shutil.copyfile(self.file.parent / name, out / name)
+        if not (out / "tokenizer_config.json").is_file():
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": self._tok.id_to_token(self.eod),
+            }
+            (out / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
     def vocab_fingerprint(self, num_ids: int | None = None) -> str:
         """sha256 of the tokens with ids below ``num_ids`` (all by default)."""

@@ -7,10 +7,8 @@ of titan_core/data/calc_transcript.py, which the base policy was pretrained on. 
 without a call is a single turn, as the built-in rollout's.
 
 The pause is asked for twice: as the stop text ``)`` (run_multi_turn sends the tool's stop
-strings) and, when ``)`` is one token, as a stop token id too. An engine honours stop texts
-only with a tokenizer to decode them, and the built-in engine serving a Titan checkpoint
-(byte tokenizer, nothing exported) has none: without the stop id the model would write on
-past its call.
+strings; the GRPO job's engines load the run's tokenizer to match them) and, when ``)`` is
+one token, as a stop token id too, which an engine checks without decoding its output.
 """
 
 from __future__ import annotations

@@ -196,13 +196,25 @@ class SGLangClient:
         )
 
     # ---- health ---------------------------------------------------------------------------
+    async def _probe(self, path: str, timeout_s: float = 10.0) -> httpx.Response | None:
+        """GET ``path`` once; None when the server does not answer. A pooled keep-alive
+        connection the server closed just as the request went out (uvicorn drops idle ones
+        after 5 s) breaks without an answer from a live server: that one is asked again at
+        once on a fresh connection; a refused connection or a timeout is not."""
+        for again in (False, True):
+            try:
+                return await self._http.get(path, timeout=timeout_s)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                if again:
+                    return None
+            except httpx.HTTPError:
+                return None
+        return None
+
     async def health(self, generate: bool = False) -> bool:
         """True if ``/health`` (or ``/health_generate``) answers 200 right now."""
-        try:
-            resp = await self._http.get("/health_generate" if generate else "/health", timeout=10.0)
-        except httpx.HTTPError:
-            return False
-        return resp.status_code == 200
+        resp = await self._probe("/health_generate" if generate else "/health")
+        return resp is not None and resp.status_code == 200
 
     async def wait_healthy(
         self, timeout_s: float = 300.0, interval_s: float = 0.5, generate: bool = False
@@ -225,13 +237,10 @@ class SGLangClient:
         return (await self.request("GET", "/get_server_info")).json()
 
     async def weight_version(self) -> str | None:
-        """The version of the weights the server holds now, in one attempt; None when it does
-        not answer (dead, restarting) or answers 5xx."""
-        try:
-            resp = await self._http.get("/get_model_info", timeout=10.0)
-        except httpx.HTTPError:
-            return None
-        if resp.status_code != 200:
+        """The version of the weights the server holds now, in one attempt (see
+        :meth:`_probe`); None when it does not answer (dead, restarting) or answers 5xx."""
+        resp = await self._probe("/get_model_info")
+        if resp is None or resp.status_code != 200:
             return None
         try:
             version = resp.json().get("weight_version")

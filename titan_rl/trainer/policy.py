@@ -9,8 +9,9 @@ work as in pretraining), and exports HF weights bucket by bucket for weight sync
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from titan_rl.algo.losses import policy_loss
 from titan_rl.algo.rollout_correction import mismatch_metrics, rollout_correction
 from titan_rl.config import GRPOConfig
 from titan_rl.trainer.batch import RLBatch
+from titan_rl.trainer.microbatch import MicrobatchPlan, needed_lengths, plan_microbatches
 from titan_rl.trainer.routing import RoutingReplay
 
 #: what to look at when a loss, gradient or parameter is not finite
@@ -45,19 +47,29 @@ NONFINITE_HINT = (
 )
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position; vocab-parallel under TP (megatron's cross entropy).
+def without_padding_rows(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """fp32 ``logits`` (this TP rank's slice of the vocabulary) with the padding rows'
+    scores (ids >= ``vocab_size``: megatron pads the vocabulary to a multiple of
+    ``make_vocab_size_divisible_by`` x TP, an HF policy's extra rows load as zeros) at the
+    float minimum, so the softmax is over the vocabulary the engines sample from; a copy."""
+    x = logits.float()
+    local = x.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if start + local <= vocab_size:
+        return x.clone() if x.data_ptr() == logits.data_ptr() else x
+    ids = torch.arange(start, start + local, device=x.device)
+    return x.masked_fill(ids >= vocab_size, torch.finfo(x.dtype).min)
 
-    megatron's cross entropy works in place on its input: hand it a private copy.
-    """
-    x = logits.float().contiguous()
-    if x.data_ptr() == logits.data_ptr():
-        x = x.clone()
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log p(target) per position over the first ``vocab_size`` ids; vocab-parallel under
+    TP (megatron's cross entropy, which works in place on its input: it gets a copy)."""
+    x = without_padding_rows(logits, vocab_size).contiguous()
     return -tensor_parallel.vocab_parallel_cross_entropy(x, targets.contiguous())
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    logp = torch.log_softmax(without_padding_rows(logits, vocab_size), dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
@@ -104,6 +116,9 @@ class PolicyTrainer:
                 chunk.eval().requires_grad_(False)
             self.ref_model = ref
         self.bridge = HFBridge(self.hf_config)
+        #: the ids the engines sample from (the exported HF vocabulary): the trainer's
+        #: softmax covers these, not the padding rows beyond them
+        self.sampled_vocab = int(self.hf_config["vocab_size"])
         self.save_dir = Path(cfg.run.dir) / "checkpoints"
 
     # ---- weights -------------------------------------------------------------------
@@ -166,23 +181,32 @@ class PolicyTrainer:
         r = parallel_state.get_data_parallel_rank()
         return batch.rows(r * per, (r + 1) * per)
 
-    def _microbatches(self, fields: dict[str, torch.Tensor]) -> tuple[list[Iterator], int]:
-        mbs = self.cfg.train.micro_batch_size
-        n = next(iter(fields.values())).shape[0]
-        num = max(1, n // mbs)
-        device = self.accel.device()
-
-        def gen() -> Iterator[dict[str, torch.Tensor]]:
-            for i in range(num):
-                yield {k: v[i * mbs : (i + 1) * mbs].to(device) for k, v in fields.items()}
-
-        return [gen() for _ in self.model], num
+    def _plan(self, fields: dict[str, torch.Tensor], mask: torch.Tensor) -> MicrobatchPlan:
+        """Rows sorted by length into microbatches, each cut to its longest row (one
+        pipeline stage; stages exchange one fixed shape), see titan_rl.trainer.microbatch."""
+        p = self.pcfg.parallel
+        multiple = 8
+        if p.sequence_parallel:
+            multiple = math.lcm(multiple, p.tensor_model_parallel_size)
+        if p.context_parallel_size > 1:
+            multiple = math.lcm(multiple, 2 * p.context_parallel_size)
+        return plan_microbatches(
+            needed_lengths(mask), self.cfg.train.micro_batch_size, fields["tokens"].shape[1],
+            multiple, trim=parallel_state.get_pipeline_model_parallel_world_size() == 1,
+        )  # fmt: skip
 
     @megatron_scope()
-    def _run(self, model: list, fields: dict, loss_fn, forward_only: bool) -> list[dict]:  # noqa: ANN001
-        its, num = self._microbatches(fields)
-        seq = fields["tokens"].shape[1]
-
+    def _run(
+        self,
+        model: list,
+        fields: dict,
+        plan: MicrobatchPlan,
+        loss_fn: Callable[..., tuple[torch.Tensor, dict]],
+        forward_only: bool,
+    ) -> list[dict]:
+        device = self.accel.device()
+        its = [plan.batches(fields, device) for _ in model]
+        num = plan.num
         annotate = not forward_only and self.annotator.active
 
         def forward_step(data_iterator, chunk):  # noqa: ANN001, ANN202
@@ -190,7 +214,8 @@ class PolicyTrainer:
             tokens = mb["tokens"]
             if "routed" in mb:  # this microbatch's rollout routing, for this chunk's routers
                 self.routing.set_targets(chunk, mb["routed"])
-            pos = torch.arange(seq, device=tokens.device).unsqueeze(0).expand_as(tokens)
+            pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            pos = pos.expand_as(tokens)
             if not annotate:
                 return chunk(tokens, pos, None), partial(loss_fn, mb, num)
             vs = getattr(unwrap(chunk), "vp_stage", None) or 0
@@ -204,7 +229,7 @@ class PolicyTrainer:
                 data_iterator=its if len(model) > 1 else its[0],
                 model=model if len(model) > 1 else model[0],
                 num_microbatches=num,
-                seq_length=seq,
+                seq_length=plan.width,
                 micro_batch_size=self.cfg.train.micro_batch_size,
                 forward_only=forward_only,
             )
@@ -236,7 +261,8 @@ class PolicyTrainer:
             return None
 
         def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202
-            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:])
+            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], self.sampled_vocab)
+            lp = torch.nn.functional.pad(lp, (0, plan.width - 1 - lp.shape[1]))  # to [B, L-1]
             return lp.sum() * 0.0, {"logprobs": lp.detach().cpu()}
 
         for chunk in model:
@@ -244,9 +270,10 @@ class PolicyTrainer:
         try:
             rows = batch if local else self._local_rows(batch)
             fields = self._fields(rows)
+            plan = self._plan(fields, rows.response_mask)
             measure = not reference and "routed" in fields
             with self.routing.measure(model) if measure else contextlib.nullcontext():
-                out = self._run(model, fields, loss_fn, forward_only=True)
+                out = self._run(model, fields, plan, loss_fn, forward_only=True)
             if measure:
                 self.routing_agreement = self.routing.agreement()
         finally:
@@ -254,7 +281,7 @@ class PolicyTrainer:
                 chunk.train()
         if not out:
             return None
-        return torch.cat([o["logprobs"] for o in out])
+        return plan.restore(torch.cat([o["logprobs"] for o in out]))
 
     def train(
         self, batch: RLBatch, local: bool = False, step: int | None = None
@@ -319,6 +346,7 @@ class PolicyTrainer:
         }
         if ref is not None:
             fields["ref"] = ref
+        plan = self._plan(fields, rows.response_mask)
         total_tokens = self._global_sum(kept.sum())
         if local:
             total_seqs = self._global_sum((kept.sum(1) > 0).sum())
@@ -328,8 +356,10 @@ class PolicyTrainer:
         scale = self.dp  # DDP averages gradients over data-parallel ranks: undo it
 
         def loss_fn(mb, num, logits):  # noqa: ANN001, ANN202
-            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:])
-            ent = token_entropy(logits[:, :-1]) if cfg.algo.entropy_coef else None
+            lp = token_logprobs(logits[:, :-1], mb["tokens"][:, 1:], self.sampled_vocab)
+            ent = (
+                token_entropy(logits[:, :-1], self.sampled_vocab) if cfg.algo.entropy_coef else None
+            )
             loss, m = policy_loss(
                 lp, mb["old"], mb["adv"], mb["mask"], cfg.algo,
                 rollout_logprobs=mb["rollout"], ref_logprobs=mb.get("ref"), entropy=ent,
@@ -345,7 +375,7 @@ class PolicyTrainer:
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                out = self._run(self.model, fields, loss_fn, forward_only=False)
+                out = self._run(self.model, fields, plan, loss_fn, forward_only=False)
                 check_loss_and_grads(
                     self.model, [o["loss"] for o in out],
                     f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,

@@ -40,6 +40,20 @@ def prompt_ids(engine: Engine, req: GenerateReqInput) -> list[list[int]]:
     return [engine.tokenizer.encode(t) for t in req.prompts]
 
 
+def check_stop_strings(engine: Engine, req: GenerateReqInput) -> None:
+    """Stop texts are matched on decoded text: without a tokenizer they could never match,
+    so the request is refused rather than run past them."""
+    if engine.tokenizer is not None:
+        return
+    for params in req.per_prompt("sampling_params"):
+        if params.stop_strings():
+            raise RequestError(
+                f"sampling_params.stop {params.stop!r}: this server has no tokenizer "
+                "(skip_tokenizer_init, or none beside the weights), so stop texts cannot be "
+                "matched; send their token ids as stop_token_ids"
+            )
+
+
 def check_routed_experts(engine: Engine, req: GenerateReqInput) -> None:
     """Routed experts exist only where tokens are routed: a dense model is a 400."""
     if req.return_routed_experts and not engine.routing.is_moe:
@@ -64,6 +78,7 @@ def build_sequences(engine: Engine, req: GenerateReqInput) -> list[Sequence]:
         strict=True,
     )
     check_routed_experts(engine, req)
+    check_stop_strings(engine, req)
     for prompt, params, rid, return_logprob, start_len, top_num in per_prompt:
         if start_len >= len(prompt):
             raise RequestError(

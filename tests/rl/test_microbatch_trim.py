@@ -1,0 +1,100 @@
+"""Rows sorted into microbatches cut to their own longest row (titan_rl.trainer.microbatch):
+the plan itself, and a real trainer whose logprobs, step metrics and gradients equal those
+of full-length microbatches and whose logprobs equal HF transformers' on each sample alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.models.hf_cases import build_hf_model
+from titan_rl.trainer.microbatch import needed_lengths, plan_microbatches
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_needed_lengths_end_at_the_last_trained_label() -> None:
+    mask = torch.zeros(4, 9)
+    mask[0, 2:5] = 1  # positions 2-4 score tokens 3-5: 6 tokens needed
+    mask[1, 8] = 1  # the last position: every token
+    mask[2, 3:7] = torch.tensor([1.0, 0.0, 1.0, 0.0])  # a tool reply after the last trained
+    assert needed_lengths(mask).tolist() == [6, 10, 7, 1]  # row 3 trains nothing
+
+
+def test_plan_sorts_rows_cuts_each_microbatch_and_restores_the_order() -> None:
+    lengths = torch.tensor([5, 40, 3, 17, 9, 2])
+    plan = plan_microbatches(lengths, size=2, width=48, multiple=8)
+    assert plan.order.tolist() == [1, 3, 4, 0, 2, 5]
+    assert plan.widths == (40, 16, 8)
+    fields = {"tokens": torch.arange(6 * 48).reshape(6, 48), "mask": torch.ones(6, 47)}
+    mbs = list(plan.batches(fields, torch.device("cpu")))
+    assert [tuple(mb["tokens"].shape) for mb in mbs] == [(2, 40), (2, 16), (2, 8)]
+    assert [tuple(mb["mask"].shape) for mb in mbs] == [(2, 39), (2, 15), (2, 7)]
+    assert mbs[1]["tokens"][:, 0].tolist() == [4 * 48, 0]  # rows 4 and 0
+    per_row = torch.cat([mb["tokens"][:, :1] for mb in mbs])
+    assert plan.restore(per_row)[:, 0].tolist() == [r * 48 for r in range(6)]
+    # no row gets longer than the batch; one stage or many: as given, full length
+    assert plan_microbatches(torch.tensor([47, 47]), 1, 48).widths == (48, 48)
+    whole = plan_microbatches(lengths, 2, 48, trim=False)
+    assert whole.order is None and whole.widths == (48, 48, 48)
+
+
+@pytest.mark.slow  # a trainer process of its own: ~15 s
+@pytest.mark.parametrize("family", ["qwen3_moe"])  # MoE routers, attention, padded vocab
+def test_trimmed_microbatches_train_as_full_length_ones(tmp_path, family) -> None:
+    build_hf_model(family).save_pretrained(tmp_path / "hf")
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests/rl/microbatch_worker.py"),
+         "--model-dir", str(tmp_path / "hf"), "--run-dir", str(tmp_path / "run"),
+         "--out", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    trimmed, full = got["trimmed"], got["full"]
+    width = got["width"]
+    assert full["widths"] == [width] * 4
+    # the long tail sits in one microbatch; the others are cut well short of it
+    assert max(trimmed["widths"]) == width and sorted(trimmed["widths"])[:3] < [width] * 3
+    assert sum(trimmed["widths"]) < 0.6 * sum(full["widths"])
+
+    lp_t, lp_f, ref = (torch.tensor(x) for x in (trimmed["logprobs"], full["logprobs"], got["hf"]))
+    assert (lp_t - lp_f).abs().max() < 1e-5
+    assert (lp_t - ref).abs().max() < 1e-4  # HF transformers, each sample alone
+    # whole-batch metrics (per-microbatch means such as train/pg_loss depend on the grouping)
+    for key in ("train/grad_norm", "train/rollout_logprob_abs_diff"):
+        assert trimmed["metrics"][key] == pytest.approx(full["metrics"][key], rel=1e-5), key
+    for gt, gf in zip(trimmed["grads"], full["grads"], strict=True):
+        gt, gf = torch.tensor(gt), torch.tensor(gf)
+        assert (gt - gf).abs().max() <= 1e-5 * max(1.0, float(gf.abs().max())), gf.shape
+    assert any(torch.tensor(g).abs().max() > 0 for g in full["grads"])
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_padding_rows_leave_the_softmax_on_each_tp_slice(monkeypatch, rank) -> None:
+    """An HF policy of 300 ids padded to 384 rows at TP 2: rank 1 holds ids 192-383, of which
+    300-383 are padding. Its scores drop out of the softmax; the real ids are untouched."""
+    from megatron.core import parallel_state
+
+    from titan_rl.trainer.policy import without_padding_rows
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: rank)
+    full = torch.randn(3, 384)
+    local = full[:, rank * 192 : (rank + 1) * 192]
+    masked = without_padding_rows(local, 300)
+    real = 300 - rank * 192 if rank else 192
+    assert torch.equal(masked[:, :real], local[:, :real])
+    assert (masked[:, real:] == torch.finfo(torch.float32).min).all()
+    assert masked.data_ptr() != local.data_ptr()  # megatron's cross entropy may write to it
+    if rank:  # with rank 0's slice (no padding there): the softmax of the 300 real ids
+        both = torch.cat([full[:, :192], masked], dim=1)
+        ref = torch.log_softmax(full[:, :300], -1)
+        assert torch.allclose(torch.log_softmax(both, -1)[:, :300], ref, atol=1e-6)
