@@ -128,7 +128,6 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
         # the engines as the plan resolved them, serving the weights of step `start`
         launches = placement.engine_launches(weight_version=str(start))
         trainers.save_hf(launches[0].launch.model_path)
-        loop.tok.save_hf(launches[0].launch.model_path)  # the engines match stop texts with it
         e = cfg.engines
         engines = RolloutEngineGroup(launches, plan.router)
         url = engines.start()

@@ -137,8 +137,9 @@ class TitanEngines:
     # ---- engines ------------------------------------------------------------------------------
     def start_titan_engines(self, model_path: str) -> tuple[list[str], str]:
         """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines serving
-        ``model_path``; returns (their URLs, the URL generation goes to: the router, or the
-        only engine)."""
+        ``model_path`` with its tokenizer, as slime's and miles' SGLang servers load
+        ``--hf-checkpoint`` (``--rollout-stop`` texts need it); returns (their URLs, the URL
+        generation goes to: the router, or the only engine)."""
         from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig, RouterConfig
         from titan_rl.actors.engine_actor import RolloutEngineGroup
 
@@ -151,7 +152,7 @@ class TitanEngines:
                 server=EngineServerConfig(
                     model_path=model_path, backend=e.backend, tp_size=per_engine,
                     mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
-                    api_key=e.api_key, skip_tokenizer_init=True, num_threads=e.num_threads,
+                    api_key=e.api_key, num_threads=e.num_threads,
                 ),
                 router=RouterConfig(enabled=n > 1),
             ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("slime.ray.train_actor", reason="slime's wheel (../shared/peers) is needed")
@@ -87,6 +88,11 @@ def test_train_and_sync_under_slime_group(slime_job):
     wrong = (tok.encode(problems[0][0]), tok.encode("9\n"))
     group.update_weights()  # slime's first step: engines serve the trainer's weights
     before = (engine_logprob(urls[0], *right), engine_logprob(urls[0], *wrong))
+    # the exported checkpoint holds the run's tokenizer, which the engine loaded as slime's
+    # SGLang loads --hf-checkpoint's: --rollout-stop texts can match
+    assert (Path(args.hf_checkpoint) / "tokenizer.json").is_file()
+    info = httpx.get(f"{urls[0]}/get_server_info", timeout=30).json()
+    assert info["skip_tokenizer_init"] is False
 
     for rollout_id in range(3):
         refs = split_by_dp(args, samples_to_train_data(args, samples), config)

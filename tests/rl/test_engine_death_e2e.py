@@ -22,6 +22,8 @@ from titan_core.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
+#: sequences running or waiting on an engine above which it is generating a rollout
+ROLLOUT_BUSY = 8
 
 
 def _engines(run_dir: Path) -> list[tuple[int, str]]:
@@ -49,8 +51,9 @@ def _kill_in_rollout_of_step_2(
     run_dir: Path, engines: int, job: subprocess.Popen, out: dict
 ) -> None:
     """Kill an engine while it generates on weight version 1: step 2's rollout (step 1's sync
-    set version 1; step 2's sync sets version 2 before its parity probe). More requests than
-    the probe's 2 sequences tell the rollout from the probe of step 1's sync."""
+    set version 1; step 2's sync sets version 2 before its parity probe). More sequences in
+    flight than ``ROLLOUT_BUSY`` tell the rollout (32 prompts x 8) from the parity probe of
+    step 1's sync (2 sequences)."""
     deadline = time.monotonic() + 600
     found: list[tuple[int, str]] = []
     while len(found) < engines:
@@ -64,7 +67,7 @@ def _kill_in_rollout_of_step_2(
                 info = _info(http, url)
                 versions.append(info.get("weight_version"))
                 busy = info.get("num_running_reqs", 0) + info.get("num_queued_reqs", 0)
-                if info.get("weight_version") == "1" and busy > 2:
+                if info.get("weight_version") == "1" and busy > ROLLOUT_BUSY:
                     os.kill(pid, signal.SIGKILL)
                     out["killed"] = url
                     return

@@ -107,9 +107,15 @@ def test_concurrent_requests_share_decode_steps(engine: ServerProcess) -> None:
 
 
 async def _until_running(client: SGLangClient, n: int = 1, timeout_s: float = 30.0) -> None:
-    """Wait until the engine reports at least ``n`` running requests (slow CI machines)."""
+    """Wait until the engine holds at least ``n`` requests, running or waiting (slow CI
+    machines; a paused engine queues a new request)."""
+
+    async def held() -> int:
+        info = await client.get_server_info()
+        return info["num_running_reqs"] + info["num_queued_reqs"]
+
     deadline = time.monotonic() + timeout_s
-    while (await client.get_server_info())["num_running_reqs"] < n:
+    while await held() < n:
         assert time.monotonic() < deadline, "request never reached the engine"
         await asyncio.sleep(0.02)
 

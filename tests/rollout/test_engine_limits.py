@@ -281,6 +281,8 @@ def test_queue_bound_in_process(tiny_model: Path) -> None:
         with pytest.raises(RequestError, match="split it"):
             eng.submit(_request(eng, "c", 6, 2, [4, 5], lambda s: None))
         assert eng.num_queued() == 3  # a rejected request leaves nothing behind
+        # SGLang's counts are disjoint: waiting sequences are queued, not running
+        assert (eng.num_running(), eng.num_in_flight()) == (0, 3)
         eng.submit(_request(eng, "b", 2, 2, [4, 5], lambda s: None))  # rids of b are free
         assert eng.num_queued() == 5
         assert eng.call(lambda: eng.abort("a-1")).result(10) == 1

@@ -303,6 +303,13 @@ class Engine:
         return fut
 
     def num_running(self) -> int:
+        """Sequences admitted to the batch (SGLang's ``num_running_reqs``: the waiting ones
+        are ``num_queued_reqs``, counted apart)."""
+        with self._lock:
+            return len(self._rids) - self._num_pending
+
+    def num_in_flight(self) -> int:
+        """Sequences submitted and not finished: running and waiting."""
         with self._lock:
             return len(self._rids)
 

@@ -44,7 +44,7 @@ class ServerState:
         async with self.update_lock:
             self.gate.clear()
             try:
-                while not self.engine.paused and self.engine.num_running() > 0:
+                while not self.engine.paused and self.engine.num_in_flight() > 0:
                     await asyncio.sleep(0.01)
                 return await self.on_engine(fn)
             finally:

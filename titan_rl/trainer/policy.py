@@ -140,7 +140,8 @@ class PolicyTrainer:
         return self.bridge.export([unwrap(c) for c in self.model], bucket_bytes, dst=0)
 
     def save_hf(self, path: str | Path) -> None:
-        """An HF directory (config.json + model.safetensors) of the current policy."""
+        """An HF directory of the current policy: config.json, model.safetensors and the
+        tokenizer (engines serving it match stop texts with it, as SGLang loads one)."""
         import json
 
         from safetensors.torch import save_file
@@ -155,6 +156,7 @@ class PolicyTrainer:
             save_file(tensors, str(out / "model.safetensors.tmp"))
             (out / "model.safetensors.tmp").replace(out / "model.safetensors")
             (out / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+            self.tokenizer.save_hf(out)
         if dist.is_initialized():
             dist.barrier()
 

@@ -22,7 +22,7 @@ router = APIRouter()
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(state: State) -> Response:
-    if state.engine.num_running() > 0:
+    if state.engine.num_in_flight() > 0:
         return PlainTextResponse(
             "Cache not flushed because there are pending requests; retry when idle",
             status_code=400,
