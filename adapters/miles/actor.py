@@ -24,15 +24,14 @@ from typing import Any
 
 from adapters.common.backend import TitanBackend, engine_urls, refuse_unsupported
 from adapters.peers import import_peer
+from titan_core.data.tokenizer import HF_TOKENIZER_FILES
 
 _train_actor = import_peer("miles.ray.train_actor")
 
 
 #: files of an HF tokenizer copied next to an export, when ``--hf-checkpoint`` has them
-_TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
-)  # fmt: skip
+#: what an HF export copies from ``--hf-checkpoint`` beside the weights
+_TOKENIZER_FILES = ("tokenizer.json", *HF_TOKENIZER_FILES, "generation_config.json")
 
 
 class TitanTrainRayActor(_train_actor.TrainRayActor):

@@ -36,13 +36,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
 
-    from titan_core.models.hf import model_config_from_hf
+    from tests.models.hf_cases import hf_policy_overrides
 
-    model = model_config_from_hf(a.model_dir, seq_length=16, transformer_impl="local")
     overrides = [
-        "policy.format=hf", f"policy.load={a.model_dir}",
-        *(f"model.{k}={v}" for k, v in model.model_dump(exclude_none=True).items()
-          if not isinstance(v, list | dict)),
+        *hf_policy_overrides(a.model_dir, seq_length=16),
         f"rollout.prompts_per_step={N_PROMPTS}", f"rollout.n_samples_per_prompt={N_SAMPLES}",
         "train.micro_batch_size=4", "train.lr=1e-2", "train.min_lr=1e-2", "train.clip_grad=0",
         "train.lr_warmup_iters=0", "train.lr_decay_style=constant",

@@ -19,18 +19,15 @@ DELTAS = [[0.0, 0.1, 1.0], [-0.1, -1.0, 0.05], [0.2, 0.0, -0.2], [1.0, 0.3, -0.3
 
 
 def run(model_dir: str, run_dir: str) -> dict[str, Any]:
+    from tests.models.hf_cases import hf_policy_overrides
     from titan_core.config import load_config
-    from titan_core.models.hf import model_config_from_hf
     from titan_rl.config import GRPOConfig
     from titan_rl.sample import Sample
     from titan_rl.trainer.batch import pack_samples
     from titan_rl.trainer.policy import PolicyTrainer
 
-    model = model_config_from_hf(model_dir, seq_length=16, transformer_impl="local")
     overrides = [
-        "policy.format=hf", f"policy.load={model_dir}", f"run.dir={run_dir}",
-        *(f"model.{k}={v}" for k, v in model.model_dump(exclude_none=True).items()
-          if not isinstance(v, list | dict)),
+        *hf_policy_overrides(model_dir, seq_length=16), f"run.dir={run_dir}",
         "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
         "train.micro_batch_size=2", "train.lr=1e-3", "train.min_lr=1e-3", "ppo_steps=1",
         "algo.use_tis=false",

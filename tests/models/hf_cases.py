@@ -58,3 +58,16 @@ def save_case(family: str, root: Path) -> tuple[Path, Path]:
         logits = model(input_ids=ids).logits
     torch.save({"ids": ids, "logits": logits}, d / "probe.pt")
     return d, d / "probe.pt"
+
+
+def hf_policy_overrides(model_dir: str | Path, seq_length: int) -> list[str]:
+    """GRPO config overrides that load the HF model in ``model_dir`` as the policy: its
+    ``model.*`` keys read from its config.json, megatron-core's local transformer layers."""
+    from titan_core.models.hf import model_config_from_hf
+
+    model = model_config_from_hf(model_dir, seq_length=seq_length, transformer_impl="local")
+    keys = model.model_dump(exclude_none=True).items()
+    return [
+        "policy.format=hf", f"policy.load={model_dir}",
+        *(f"model.{k}={v}" for k, v in keys if not isinstance(v, list | dict)),
+    ]  # fmt: skip

@@ -25,19 +25,16 @@ def _grads(trainer: Any) -> list[torch.Tensor]:
 
 
 def run(model_dir: str, run_dir: str) -> dict[str, Any]:
+    from tests.models.hf_cases import hf_policy_overrides
     from titan_core.config import load_config
-    from titan_core.models.hf import model_config_from_hf
     from titan_rl.config import GRPOConfig
     from titan_rl.sample import Sample
     from titan_rl.trainer.batch import pack_samples
     from titan_rl.trainer.microbatch import plan_microbatches
     from titan_rl.trainer.policy import PolicyTrainer
 
-    model = model_config_from_hf(model_dir, seq_length=80, transformer_impl="local")
     overrides = [
-        "policy.format=hf", f"policy.load={model_dir}", f"run.dir={run_dir}",
-        *(f"model.{k}={v}" for k, v in model.model_dump(exclude_none=True).items()
-          if not isinstance(v, list | dict)),
+        *hf_policy_overrides(model_dir, seq_length=80), f"run.dir={run_dir}",
         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
         "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr=1e-3",
         "train.min_lr=1e-3", "ppo_steps=1",

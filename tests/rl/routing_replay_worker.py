@@ -20,8 +20,8 @@ import torch
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    from tests.models.hf_cases import hf_policy_overrides
     from titan_core.config import load_config
-    from titan_core.models.hf import model_config_from_hf
     from titan_rl.config import GRPOConfig
     from titan_rl.sample import Sample
     from titan_rl.trainer.batch import pack_samples
@@ -30,11 +30,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     rows = json.loads(Path(a.samples).read_text())
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = model_config_from_hf(a.model_dir, seq_length=32, transformer_impl="local")
     overrides = [
-        "policy.format=hf", f"policy.load={a.model_dir}", f"run.dir={a.run_dir}",
-        *(f"model.{k}={v}" for k, v in model.model_dump(exclude_none=True).items()
-          if not isinstance(v, list | dict)),
+        *hf_policy_overrides(a.model_dir, seq_length=32), f"run.dir={a.run_dir}",
         f"rollout.prompts_per_step={len(rows) // 2}", "rollout.n_samples_per_prompt=2",
         "train.micro_batch_size=1", "ppo_steps=1", "algo.use_tis=false",
         "algo.routing_replay=true", "rollout.return_routed_experts=true",

@@ -32,14 +32,17 @@ def needed_lengths(response_mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MicrobatchPlan:
-    """``num`` microbatches of ``size`` rows: rows ``order[i * size:(i + 1) * size]``
-    (``order`` None: in the batch's order) cut to ``widths[i]`` tokens."""
+    """Microbatches of ``size`` rows: rows ``order[i * size:(i + 1) * size]`` (``order``
+    None: in the batch's order) cut to ``widths[i]`` tokens of the batch's ``width``."""
 
     size: int
-    num: int
     width: int
     widths: tuple[int, ...]
     order: torch.Tensor | None
+
+    @property
+    def num(self) -> int:
+        return len(self.widths)
 
     def rows(self, i: int) -> slice | torch.Tensor:
         lo, hi = i * self.size, (i + 1) * self.size
@@ -81,13 +84,13 @@ def plan_microbatches(
     n = int(lengths.shape[0])
     num = max(1, n // size)
     if not trim:
-        return MicrobatchPlan(size, num, width, (width,) * num, None)
+        return MicrobatchPlan(size, width, (width,) * num, None)
     order = torch.argsort(lengths, descending=True, stable=True)
     widths = []
     for i in range(num):
         longest = int(lengths[order[i * size : (i + 1) * size]].max())
         widths.append(min(width, math.ceil(longest / multiple) * multiple))
-    return MicrobatchPlan(size, num, width, tuple(widths), order)
+    return MicrobatchPlan(size, width, tuple(widths), order)
 
 
 __all__ = ["MicrobatchPlan", "needed_lengths", "plan_microbatches"]
