@@ -18,6 +18,7 @@ from titan_rl.preflight import check_generate_fn
 from titan_rl.rollout.generate import (
     evaluate,
     generate_groups,
+    group_seed,
     resolve_generate_fn,
     sample_seed,
     single_turn,
@@ -84,6 +85,18 @@ def test_sample_seeds_differ_by_step_group_and_index() -> None:
     seeds = {sample_seed(step, g, i) for step in range(3) for g in range(4) for i in range(4)}
     assert len(seeds) == 48 and all(0 <= s < 2**31 for s in seeds)
     assert sample_seed(1, 2, 3) == sample_seed(1, 2, 3)
+
+
+def test_group_requests_never_share_a_copy_seed() -> None:
+    # copy i of a group's n-sample request samples with group_seed + i: across the groups of
+    # consecutive steps those ranges must not meet (seed * k + g made copy i + 1 of group g
+    # and copy i of group g + 1 one random stream)
+    n = 16
+    seeds = [
+        group_seed(step, g) + i for step in range(100, 103) for g in range(64) for i in range(n)
+    ]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**63 for s in seeds)
+    assert group_seed(7, 3) == group_seed(7, 3)
 
 
 def test_a_multi_turn_hook_from_the_config_drives_the_grpo_rollout() -> None:

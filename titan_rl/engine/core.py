@@ -79,7 +79,8 @@ class Sequence:
     on_done: Callable[[Sequence], None] | None = None
     #: streaming: called on the engine thread after each token of an unfinished sequence
     on_token: Callable[[Sequence], None] | None = None
-    generator: torch.Generator | None = None
+    #: ``sampling_seed`` (+ the copy's index for n > 1): see :func:`sampling.sample`
+    seed: int | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top: list[list[list[Any]]] = field(default_factory=list)
@@ -255,15 +256,15 @@ class Engine:
                 f"input_ids contains token {bad[0]} outside the vocabulary (size {self.vocab_size})"
             )
         max_new = min(params.max_new_tokens, self.context_length - len(prompt))
-        gen = None
+        seed = None
         if params.sampling_seed is not None:
-            gen = torch.Generator().manual_seed((params.sampling_seed + seed_offset) % (2**63))
+            seed = (params.sampling_seed + seed_offset) % (2**63)
         return Sequence(
             rid=rid or uuid.uuid4().hex,
             prompt=list(prompt),
             params=params,
             max_new=max_new,
-            generator=gen,
+            seed=seed,
             **kw,
         )
 
@@ -493,8 +494,8 @@ class Engine:
             return
         last = last[live]
         seqs = [seqs[j] for j in live]
-        tokens = self._next_tokens(last, seqs)
-        keep = [j for j, s in enumerate(seqs) if not self._append(s, int(tokens[j]))]
+        tokens = self._next_tokens(last, seqs).tolist()
+        keep = [j for j, s in enumerate(seqs) if not self._append(s, tokens[j])]
         # the kept rows of the prefill's cache join the running batch (left-padded)
         self._op("keep_prefill", [live[j] for j in keep])
         self.active.extend(seqs[j] for j in keep)
@@ -526,8 +527,8 @@ class Engine:
         last, routed = self._op("decode", ids, record, workers=(ids, False))
         self._take_routed(self.active, routed)
         self.steps += 1
-        tokens = self._next_tokens(last, self.active)
-        keep = [i for i, s in enumerate(self.active) if not self._append(s, int(tokens[i]))]
+        tokens = self._next_tokens(last, self.active).tolist()
+        keep = [i for i, s in enumerate(self.active) if not self._append(s, tokens[i])]
         if len(keep) != bsz:
             self._select_rows(keep)
 
@@ -573,7 +574,11 @@ class Engine:
     def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = self._adjust_logits(logits, seqs)
         tokens, logprobs = sample(
-            logits, [s.params for s in seqs], [s.generator for s in seqs], self._default_gen
+            logits,
+            [s.params for s in seqs],
+            [s.seed for s in seqs],
+            [len(s.output_ids) for s in seqs],
+            self._default_gen,
         )
         want = [i for i, s in enumerate(seqs) if s.return_logprob]
         if want:

@@ -84,9 +84,9 @@ class ModelRunner:
 
     # ---- forwards -----------------------------------------------------------------------
     def _new_cache(self) -> Any:
-        from transformers import DynamicCache
+        from titan_rl.engine.kv_cache import new_cache  # transformers, loaded with the model
 
-        return DynamicCache(config=self.config)
+        return new_cache(self.config)
 
     def _forward(self, record: bool, input_ids: torch.Tensor, **kw: Any) -> tuple[Any, Any]:
         """One forward, and its routed experts ``[B, L, layers, top_k]`` when ``record``."""

@@ -176,16 +176,61 @@ def _filter_probs(
     return out
 
 
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for ``x`` in [0, 2**32) held in int64, without overflowing it."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xorshift-multiply, "lowbias32"): each output bit depends
+    on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row, a function of (``seeds[i]``, ``steps[i]``) only
+    (int64 tensors; seeds in [0, 2**63), steps >= 0), with 53 random bits.
+
+    A counter-based generator, as GPU engines seed their sampling: the draw for token ``k``
+    of a seeded request does not depend on what else shares the batch or on earlier steps,
+    and a whole batch is drawn in a few vectorised integer ops (a ``torch.Generator`` per
+    row costs one multinomial call per row per step).
+    """
+    key = _mix32(_mix32((seeds & _M32) ^ 0x9E3779B9) ^ (seeds >> 32))
+    hi = _mix32(key ^ (steps & _M32))
+    lo = _mix32(hi ^ 0x85EBCA6B)
+    return ((hi << 21) + (lo >> 11)).double() / 2.0**53
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row ``i``'s token: the first whose cumulative probability exceeds ``u[i]`` of the row's
+    total (so a token of probability 0 is never drawn)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seeds: list[int | None],
+    steps: list[int],
     default_generator: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (token ids [B], logprobs [B, V] per SGLang's definition).
 
-    Rows with a ``sampling_seed`` draw from their own generator, so their samples do not
-    depend on which other requests share the batch.
+    Rows with a seed (``seeds[i]``: the request's ``sampling_seed``, plus ``i`` for copy ``i``
+    of an ``n`` > 1 request) draw token ``steps[i]`` of their output from
+    :func:`seeded_uniform`, so their samples do not depend on which other requests share the
+    batch; the others draw from ``default_generator``.
     """
     logits = logits.float()
     bsz, vocab = logits.shape
@@ -209,12 +254,12 @@ def sample(
         min_p = torch.tensor([params[i].min_p for i in sampled], dtype=torch.float32)
         if bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0).any()):
             probs = _filter_probs(probs, top_k, top_p, min_p)
-        seeded = [j for j, i in enumerate(sampled) if generators[i] is not None]
-        unseeded = [j for j, i in enumerate(sampled) if generators[i] is None]
-        if unseeded:
-            draw = torch.multinomial(probs[unseeded], 1, generator=default_generator).flatten()
-            next_ids[rows[unseeded]] = draw
-        for j in seeded:
-            i = sampled[j]
-            next_ids[i] = torch.multinomial(probs[j], 1, generator=generators[i]).item()
+        u = torch.rand(len(sampled), dtype=torch.float64, generator=default_generator)
+        seeded = [j for j, i in enumerate(sampled) if seeds[i] is not None]
+        if seeded:
+            u[seeded] = seeded_uniform(
+                torch.tensor([seeds[sampled[j]] for j in seeded], dtype=torch.long),
+                torch.tensor([steps[sampled[j]] for j in seeded], dtype=torch.long),
+            )
+        next_ids[rows] = _inverse_cdf(probs, u)
     return next_ids, logprobs

@@ -142,8 +142,12 @@ async def single_turn(
 
 
 def group_seed(seed: int, g: int) -> int:
-    """The sampling seed of group ``g``'s request (one request with n completions)."""
-    return seed * 1_000_003 + g
+    """The sampling seed of group ``g``'s request (one request with n completions; copy
+    ``i`` samples with this seed + ``i``). Hashed, not ``seed * k + g``: consecutive seeds
+    would give copy ``i + 1`` of group ``g`` and copy ``i`` of group ``g + 1`` one seed, so
+    one random stream."""
+    digest = hashlib.blake2b(f"{seed}:{g}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**62)
 
 
 def sample_seed(seed: int, g: int, i: int) -> int:
