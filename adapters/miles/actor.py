@@ -29,7 +29,6 @@ from titan_core.data.tokenizer import HF_TOKENIZER_FILES
 _train_actor = import_peer("miles.ray.train_actor")
 
 
-#: files of an HF tokenizer copied next to an export, when ``--hf-checkpoint`` has them
 #: what an HF export copies from ``--hf-checkpoint`` beside the weights
 _TOKENIZER_FILES = ("tokenizer.json", *HF_TOKENIZER_FILES, "generation_config.json")
 

@@ -141,19 +141,23 @@ async def single_turn(
     return group
 
 
+def _hashed(*parts: int, bound: int) -> int:
+    """A seed in [0, ``bound``) hashed from ``parts``."""
+    key = ":".join(map(str, parts)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % bound
+
+
 def group_seed(seed: int, g: int) -> int:
     """The sampling seed of group ``g``'s request (one request with n completions; copy
     ``i`` samples with this seed + ``i``). Hashed, not ``seed * k + g``: consecutive seeds
     would give copy ``i + 1`` of group ``g`` and copy ``i`` of group ``g + 1`` one seed, so
     one random stream."""
-    digest = hashlib.blake2b(f"{seed}:{g}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**62)
+    return _hashed(seed, g, bound=2**62)
 
 
 def sample_seed(seed: int, g: int, i: int) -> int:
     """The sampling seed of sample ``i`` of group ``g`` (a hook called once per sample)."""
-    digest = hashlib.blake2b(f"{seed}:{g}:{i}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1)
+    return _hashed(seed, g, i, bound=2**31 - 1)
 
 
 def _fn_name(fn: GenerateFn) -> str:
