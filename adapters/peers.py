@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from pathlib import Path
 from types import ModuleType
 
 #: how each framework's code gets here (neither is on PyPI under its name)
@@ -57,3 +58,21 @@ def import_peer(module: str) -> ModuleType:
         raise PeerImportError(
             f"importing {module} ({package}) failed: {type(e).__name__}: {e}; reinstall it: {how}"
         ) from e
+
+
+def peer_source(module: str) -> Path:
+    """The installed source file of a slime / miles module, found without importing it or
+    its parent packages (their ``__init__`` may need sglang, or select slime's
+    accelerator); a :class:`PeerImportError` naming the install command when it is missing."""
+    package, *rest = module.split(".")
+    how = _INSTALL.get(package, f"pip install {package}")
+    spec = importlib.util.find_spec(package) if _installed(package) else None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        base = Path(root).joinpath(*rest)
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    raise PeerImportError(
+        f"{module} ({package}) is not installed, so its flags cannot be read: {how}"
+    )

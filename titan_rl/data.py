@@ -156,16 +156,20 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
 
 
 class PromptSampler:
-    """Epoch-wise shuffled prompts from a seed; the position is saved for exact resume."""
+    """Epoch-wise shuffled prompts from a seed (in file order with ``shuffle=False``); the
+    position is saved for exact resume."""
 
-    def __init__(self, prompts: list[Prompt], seed: int) -> None:
+    def __init__(self, prompts: list[Prompt], seed: int, shuffle: bool = True) -> None:
         self.prompts = prompts
         self.seed = seed
+        self.shuffle = shuffle
         self.epoch = 0
         self.offset = 0
         self._order = self._perm()
 
     def _perm(self) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.prompts))
         return np.random.default_rng(self.seed + self.epoch).permutation(len(self.prompts))
 
     def take(self, n: int) -> list[Prompt]:

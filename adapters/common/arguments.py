@@ -1,149 +1,168 @@
-"""The command line slime's and miles' drivers share: their frameworks' flag names,
-meanings and defaults for what the Titan backend and the drivers use.
+"""The command line of ``python -m adapters.slime.train`` and ``adapters.miles.train``:
+the framework's own flags, read from its installed parser source
+(:mod:`adapters.common.peer_flags`), with its names and defaults, plus the Megatron-LM flags
+its scripts pass (:mod:`adapters.common.megatron_flags`) and three of Titan's
+(``--titan-config``, ``--titan-override``, ``--metrics-dir``).
 
-Their own parsers (``slime.utils.arguments``, ``miles.utils.arguments``) cannot run on a CPU
-machine: they import ``sglang``'s server arguments (whose utils import ``triton``, ~1 GB, at
-module level) and always import ``megatron.training``, which is in Megatron-LM's source tree
-but not in the megatron-core wheel. The model, layout and Titan's switches come from the
-Titan YAML (``--titan-config`` / ``TITAN_CONFIG``, plus ``--titan-override key=value``), as
-the frameworks' Megatron arguments would; the optimizer and algorithm flags are ``None``
-unless given, so the YAML's values hold (``adapters.common.config.ARG_TO_KEY`` maps them).
-A flag the framework has and these parsers do not is argparse's error naming it, so a
-command line never runs with a flag silently dropped.
+Every flag given on the command line is checked against the flag table
+(:mod:`adapters.common.flag_table`) at parse time: a refused flag (or a refused value of an
+honoured one) exits 2 naming it and what to use instead; a flag with no effect here is
+named, with the reason, in one start-up line; the honoured ones act. ``args.titan_given``
+lists the flags given on the command line: only those override the Titan YAML, a flag left
+at its default never does.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
+from adapters.common.flag_table import Honoured, NoEffect, Refused, entry_for
+from adapters.common.megatron_flags import MEGATRON_FLAGS
+from adapters.common.peer_flags import FlagSpec, is_generated, peer_flags
 
-def base_parser(
-    framework: str, *, actor_gpus_per_node: int, data_source_path: str, rollout_function_path: str
-) -> tuple[argparse.ArgumentParser, dict[str, argparse._ArgumentGroup]]:
-    """The flags both drivers declare, with the framework's names and defaults; the
-    argument groups by name (``cluster``, ``rollout``, ``checkpoints``, ...) for the
-    framework's own flags."""
+#: Titan's own flags, in their own argument group
+TITAN_DESTS = ("titan_config", "titan_overrides", "metrics_dir")
+
+
+def framework_flags(framework: str) -> list[FlagSpec]:
+    """The framework's flags, then the Megatron-LM flags it does not declare itself."""
+    own = list(peer_flags(framework))
+    names = {o for s in own for o in s.options}
+    return own + [s for s in MEGATRON_FLAGS if not names.intersection(s.options)]
+
+
+def build_parser(framework: str, *, suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The driver's parser: Titan's flags and every flag of :func:`framework_flags`, in the
+    framework's argument groups. ``suppress_defaults``: a flag not given stays unset (what
+    :func:`given_dests` reads)."""
     owner = "slime's" if framework == "slime" else "miles'"
     ap = argparse.ArgumentParser(
         prog=f"python -m adapters.{framework}.train",
         description=f"{owner} RL loop with Titan's Megatron base as the training backend",
         allow_abbrev=False,
     )
+    default = argparse.SUPPRESS if suppress_defaults else None
     t = ap.add_argument_group("Titan")
-    t.add_argument("--titan-config", default=None,
+    t.add_argument("--titan-config", default=default,
                    help="Titan YAML (titan_rl.grpo's format): model, layout, switches, sync; "
                         "default $TITAN_CONFIG")  # fmt: skip
-    t.add_argument(
-        "--titan-override",
-        dest="titan_overrides",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Titan config overrides (key.sub=value), e.g. sync.check_every=1",
+    t.add_argument("--titan-override", dest="titan_overrides", nargs="+", action="extend",
+                   default=argparse.SUPPRESS if suppress_defaults else [], metavar="KEY=VALUE",
+                   help="Titan config overrides (key.sub=value), e.g. sync.check_every=1")  # fmt: skip
+    t.add_argument("--metrics-dir", default=default,
+                   help="where metrics.jsonl and reward.png go (default: the Titan run.dir)")  # fmt: skip
+    groups: dict[str, Any] = {}
+    for spec in framework_flags(framework):
+        section = spec.section or "other"
+        if section not in groups:
+            groups[section] = ap.add_argument_group(f"{section} ({spec.source.split(':')[0]})")
+        spec.add_to(groups[section], suppress_default=suppress_defaults)
+    return ap
+
+
+def _generated(ap: argparse.ArgumentParser, unknown: list[str]) -> dict[str, list[str]]:
+    """``--sglang-*`` / ``--router-*`` flags (generated from sglang's and sglang-router's
+    argument classes, absent here) with their values; anything else unknown is argparse's
+    error naming it."""
+    out: dict[str, list[str]] = {}
+    flag: str | None = None
+    for token in unknown:
+        if token.startswith("--"):
+            name = token.split("=", 1)[0]
+            if not is_generated(name):
+                ap.error(f"unrecognized arguments: {token}")
+            flag = name
+            out[flag] = [token.split("=", 1)[1]] if "=" in token else []
+        elif flag is None:
+            ap.error(f"unrecognized arguments: {token}")
+        else:
+            out[flag].append(token)
+    return out
+
+
+def parse(framework: str, argv: list[str] | None) -> argparse.Namespace:
+    """The framework's args namespace from ``argv`` (default ``sys.argv[1:]``), each given
+    flag checked against the flag table (refusals exit 2 naming the flag)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser(framework)
+    args, unknown = ap.parse_known_args(argv)
+    args.titan_generated_flags = _generated(ap, unknown)
+    given, _ = build_parser(framework, suppress_defaults=True).parse_known_args(argv)
+    args.titan_given = sorted(k for k in vars(given) if k not in TITAN_DESTS)
+    flags = {s.dest: s.name for s in framework_flags(framework)}
+    lines: list[str] = []
+    for dest in args.titan_given:
+        _check(ap, dest, flags[dest], getattr(args, dest), lines)
+    for flag in args.titan_generated_flags:
+        _check(ap, flag.lstrip("-").replace("-", "_"), flag, None, lines)
+    args.titan_no_effect = lines
+    return args
+
+
+def _check(ap: argparse.ArgumentParser, dest: str, flag: str, value: Any, lines: list[str]) -> None:
+    entry = entry_for(dest, flag)
+    if entry is None:
+        ap.error(f"{flag}: not classified by the Titan backend's flag table "
+                 "(adapters/common/flag_table.py); drop it or add it there")  # fmt: skip
+    elif isinstance(entry, Refused):
+        ap.error(f"{flag} is not supported by the Titan backend: {entry.instead}")
+    elif isinstance(entry, NoEffect):
+        lines.append(f"{flag}: {entry.reason}")
+    elif isinstance(entry, Honoured) and entry.refuses(value):
+        ap.error(f"{flag} {value}: {entry.refuse_why}")
+
+
+def defaults(framework: str) -> dict[str, Any]:
+    """Every flag's default (what a flag not given on the command line holds)."""
+    return vars(build_parser(framework).parse_known_args([])[0])
+
+
+def given_dests(args: Any, framework: str = "slime") -> set[str]:
+    """The flags given on the command line: ``args.titan_given`` where this driver parsed
+    them; under the framework's own parser (its ``args`` carry no such list) those whose
+    value differs from the framework's default."""
+    if hasattr(args, "titan_given"):
+        return set(args.titan_given)
+    base = defaults(framework)
+    return {k for k, v in vars(args).items() if k in base and base[k] != v}
+
+
+def finish(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """What slime's and miles' own argument validation derives (each error names the flag),
+    including the attributes their code reads that no flag sets."""
+    args.rollout_external = bool(getattr(args, "rollout_external", False)) or (
+        args.rollout_external_engine_addrs is not None
     )
-    t.add_argument(
-        "--metrics-dir",
-        default=None,
-        help="where metrics.jsonl and reward.png go (default: the Titan run.dir)",
-    )
+    args.use_critic = args.advantage_estimator == "ppo"
+    args.remove_sample = False
+    args.multi_lora = False
+    args.sglang_speculative_algorithm = None
+    if args.custom_config_path:  # slime's rule: the YAML's keys set on args
+        import yaml
 
-    c = ap.add_argument_group(f"cluster ({owner} names)")
-    c.add_argument("--actor-num-nodes", type=int, default=1)
-    c.add_argument("--actor-num-gpus-per-node", type=int, default=actor_gpus_per_node)
-    c.add_argument("--rollout-num-gpus", type=int, default=None)
-    c.add_argument("--rollout-num-gpus-per-engine", type=int, default=1)
-    c.add_argument("--num-gpus-per-node", type=int, default=8)
-    c.add_argument("--colocate", action="store_true", default=False)
-
-    d = ap.add_argument_group(f"data and rollout ({owner} names)")
-    d.add_argument(
-        "--hf-checkpoint",
-        default=None,
-        help="HF directory the engines start from (default: the Titan policy, exported)",
-    )
-    d.add_argument("--data-source-path", default=data_source_path)
-    d.add_argument("--disable-rollout-global-dataset", action="store_false",
-                   dest="rollout_global_dataset", default=True)  # fmt: skip
-    d.add_argument("--rollout-seed", type=int, default=42)
-    d.add_argument("--num-rollout", type=int, required=True)
-    d.add_argument("--rollout-batch-size", type=int, required=True)
-    d.add_argument("--n-samples-per-prompt", type=int, default=1)
-    d.add_argument("--rollout-max-response-len", type=int, default=None)
-    d.add_argument("--rollout-temperature", type=float, default=1.0)
-    d.add_argument("--rollout-top-p", type=float, default=1.0)
-    d.add_argument("--rollout-top-k", type=int, default=-1)
-    d.add_argument("--rollout-stop", type=str, nargs="+", default=None)
-    d.add_argument("--rollout-stop-token-ids", type=int, nargs="+", default=None)
-    d.add_argument("--rollout-function-path", default=rollout_function_path)
-    d.add_argument("--eval-function-path", default=None)
-    d.add_argument("--custom-rm-path", default=None)
-    d.add_argument("--group-rm", action="store_true", default=False)
-    d.add_argument("--eval-interval", type=int, default=None)
-    d.add_argument("--eval-temperature", type=float, default=None)
-    d.add_argument("--eval-max-response-len", type=int, default=None)
-
-    a = ap.add_argument_group(f"algorithm ({owner} names; unset: the Titan YAML's value)")
-    a.add_argument("--advantage-estimator", default="grpo",
-                   choices=["grpo", "gspo", "cispo", "reinforce_plus_plus",
-                            "reinforce_plus_plus_baseline", "ppo"])  # fmt: skip
-    a.add_argument("--disable-rewards-normalization", action="store_false",
-                   dest="rewards_normalization", default=True)  # fmt: skip
-    a.add_argument("--disable-grpo-std-normalization", action="store_false",
-                   dest="grpo_std_normalization", default=True)  # fmt: skip
-    a.add_argument("--eps-clip", type=float, default=None)
-    a.add_argument("--eps-clip-high", type=float, default=None)
-    a.add_argument("--eps-clip-c", type=float, default=None)
-    a.add_argument("--use-kl-loss", action="store_true", default=None)
-    a.add_argument("--kl-loss-coef", type=float, default=None)
-    a.add_argument("--kl-loss-type", default=None, choices=["k1", "k2", "k3", "low_var_kl"])
-    a.add_argument("--kl-coef", type=float, default=0.0)
-    a.add_argument("--entropy-coef", type=float, default=None)
-    a.add_argument("--use-tis", action="store_true", default=False)
-
-    o = ap.add_argument_group(f"training ({owner} / Megatron's names; unset: the Titan YAML's)")
-    o.add_argument("--lr", type=float, default=None)
-    o.add_argument("--min-lr", type=float, default=None)
-    o.add_argument("--weight-decay", type=float, default=None)
-    o.add_argument("--clip-grad", type=float, default=None)
-    o.add_argument("--micro-batch-size", type=int, default=None)
-    o.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="samples per optimizer step (default: the whole rollout, one step)",
-    )
-    o.add_argument("--seed", type=int, default=None)
-    o.add_argument("--tensor-model-parallel-size", type=int, default=None)
-    o.add_argument("--pipeline-model-parallel-size", type=int, default=None)
-    o.add_argument("--context-parallel-size", type=int, default=None)
-    o.add_argument("--expert-model-parallel-size", type=int, default=None)
-    o.add_argument("--distributed-backend", default="nccl")
-    o.add_argument("--distributed-timeout-minutes", type=int, default=10)
-
-    k = ap.add_argument_group(f"checkpoints and weight updates ({owner} names)")
-    k.add_argument("--load", default=None, help="a Titan checkpoint folder to start from")
-    k.add_argument("--save", default=None, help="where checkpoints go (and resume from)")
-    k.add_argument("--save-interval", type=int, default=None)
-    k.add_argument("--update-weight-disk-dir", default=None)
-    return ap, {"titan": t, "cluster": c, "rollout": d, "algorithm": a, "training": o,
-                "checkpoints": k}  # fmt: skip
-
-
-def finish(
-    ap: argparse.ArgumentParser, args: argparse.Namespace, defaults: dict[str, Any]
-) -> argparse.Namespace:
-    """The framework's defaults for what it reads but no flag sets, and the checks both
-    parsers make (each error names the flag)."""
-    for key, value in defaults.items():
-        if not hasattr(args, key):
-            setattr(args, key, value)
+        with open(args.custom_config_path) as f:
+            for key, value in (yaml.safe_load(f) or {}).items():
+                setattr(args, key, value)
+    if args.offload:
+        args.offload_train = args.offload_rollout = True
+    if args.colocate:  # slime / miles: colocation always offloads both sides
+        args.offload_train = True if args.offload_train is None else args.offload_train
+        args.offload_rollout = True if args.offload_rollout is None else args.offload_rollout
+    args.offload_train = bool(args.offload_train)
+    args.offload_rollout = bool(args.offload_rollout)
     if args.rollout_num_gpus is None:
         args.rollout_num_gpus = args.actor_num_nodes * args.actor_num_gpus_per_node
     if args.rollout_num_gpus % args.rollout_num_gpus_per_engine:
         ap.error("--rollout-num-gpus must be a multiple of --rollout-num-gpus-per-engine")
+    if args.rollout_batch_size is None:
+        ap.error("--rollout-batch-size is required")
+    if args.num_rollout is None and args.num_epoch is None:
+        ap.error("set --num-rollout (or --num-epoch with --prompt-data)")
     per_rollout = args.rollout_batch_size * args.n_samples_per_prompt
+    if args.num_steps_per_rollout is not None and args.global_batch_size is None:
+        args.global_batch_size = per_rollout // args.num_steps_per_rollout
     if args.global_batch_size is None:
         args.global_batch_size = per_rollout
     if per_rollout % args.global_batch_size:
@@ -151,14 +170,10 @@ def finish(
             f"--global-batch-size {args.global_batch_size} must divide --rollout-batch-size x "
             f"--n-samples-per-prompt ({per_rollout})"
         )
-    if args.custom_rm_path is None and args.rollout_function_path == ap.get_default(
-        "rollout_function_path"
-    ):
-        ap.error(
-            "--custom-rm-path is needed to score the rollouts (e.g. "
-            "adapters.slime.rewards.exact_match or adapters.slime.rewards.math_verify): the "
-            "framework's rm_hub is not loaded by this driver"
-        )
     if args.eval_function_path is None:
         args.eval_function_path = args.rollout_function_path
+    if args.eval_prompt_data is not None and len(args.eval_prompt_data) % 2:
+        ap.error("--eval-prompt-data takes NAME PATH pairs")
+    if args.use_dynamic_batch_size and args.max_tokens_per_gpu is None:
+        ap.error("--use-dynamic-batch-size needs --max-tokens-per-gpu")
     return args

@@ -8,8 +8,10 @@ exists (``titan_core.parallel.initialize`` then only adds megatron's groups).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +52,34 @@ def refuse_unsupported(framework: str, role: str, with_opd_teacher: bool) -> Non
         raise ValueError("on-policy distillation (--use-opd) is not supported by Titan")
 
 
+#: torch_memory_saver's tag of the trainer's allocations (region set-up only)
+MEMORY_SAVER_TAG = "titan_train"
+
+
 class TitanBackend:
     """Titan's policy trainer and weight sync for one rank of a slime / miles job."""
 
     def __init__(self, args: Any, world_size: int, with_ref: bool = False) -> None:
+        from titan_core.accelerator import get_accelerator
         from titan_core.checkpoint.dist import unwrap
+        from titan_core.training.device_memory import TrainerMemory, trainer_tensors
         from titan_rl.trainer.policy import PolicyTrainer
 
         self.args = args
         self.cfg: GRPOConfig = titan_config_from_args(args)
-        self.trainer = PolicyTrainer(self.cfg, world_size)
+        # torch_memory_saver (where its hook is loaded) releases what the trainer allocates
+        # in its region: the model, DDP's buffers and the optimizer (made here, the Adam
+        # state at the first step, inside :meth:`train`)
+        saver = get_accelerator().memory_saver(MEMORY_SAVER_TAG)
+        with saver.region() if saver is not None else contextlib.nullcontext():
+            self.trainer = PolicyTrainer(self.cfg, world_size)
+        t = self.trainer
+        #: the trainer's device memory: sleep() frees it while a colocated engine runs
+        self.memory = TrainerMemory(
+            t.accel, lambda: trainer_tensors(t.model, t.optimizer, t.ref_model), saver
+        )
+        #: what is on the device for a block while asleep: None, "weights" or "all"
+        self._resident: str | None = None
         if getattr(args, "save", None):
             self.trainer.save_dir = Path(args.save)
         self.chunks = [unwrap(c) for c in self.trainer.model]
@@ -99,6 +119,7 @@ class TitanBackend:
     def train(self, rollout_data: dict[str, Any]) -> dict[str, float]:
         """One rollout's optimizer steps on this DP rank's data; returns the last step's
         metrics (averaged over the last pipeline stage's DP ranks) with timings."""
+        self._require_awake("train")
         start = time.perf_counter()
         pad = self.trainer.tokenizer.eod
         batches = step_batches(rollout_data, pad, self.cfg.train.micro_batch_size)
@@ -107,8 +128,9 @@ class TitanBackend:
             old = self.trainer.logprobs(b, local=True)
             b.old_logprobs = torch.zeros_like(b.response_mask) if old is None else old
         metrics: dict[str, float] = {}
-        for b in batches:
-            metrics = self.trainer.train(b, local=True)
+        with self.memory.region():  # the Adam state is made at the first step
+            for b in batches:
+                metrics = self.trainer.train(b, local=True)
         metrics["train/steps"] = float(len(batches))
         metrics["time/train_rollout"] = time.perf_counter() - start
         return metrics
@@ -123,6 +145,7 @@ class TitanBackend:
         ``has_new_engines``)."""
         from titan_rl.sync.sync import WeightSync
 
+        self._require_awake("a weight update", weights_only=True)
         if self._sync is None or urls != self._sync_urls or reconnect:
             if self._sync is not None:
                 self._sync.close()
@@ -139,16 +162,83 @@ class TitanBackend:
 
     def save_hf(self, path: str | Path) -> None:
         """An HF directory of the current policy (every rank calls; rank 0 writes)."""
+        self._require_awake("an HF export", weights_only=True)
         self.trainer.save_hf(path)
+
+    # ---- colocation: the trainer's device memory ------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        return self.memory.asleep
+
+    def sleep(self) -> dict[str, float]:
+        """Free the device for a colocated engine: parameters, DDP's gradient and parameter
+        buffers, the optimizer state (fp32 main parameters included) and the reference
+        model leave the device (torch_memory_saver's pause where its hook is loaded, else
+        copies to host memory, pinned on a GPU); returns ``memory/device_bytes_before_sleep``
+        and ``..._after_sleep`` (the storage counter). Asleep already: nothing, ``{}``."""
+        if self._resident is not None:
+            raise RuntimeError("sleep() inside a block that needs the trainer on the device")
+        return self.memory.sleep()
+
+    def wake_up(self) -> None:
+        """Everything :meth:`sleep` released back on the device, bit-identical (awake
+        already: nothing)."""
+        if self._resident is None:
+            self.memory.wake_up()
+
+    @contextlib.contextmanager
+    def awake(self, weights_only: bool = False) -> Iterator[None]:
+        """The trainer on the device inside the block; a sleeping trainer sleeps again
+        after it. ``weights_only``: only the weights come back (a weight sync or an HF
+        export, which only read them; torch_memory_saver brings everything)."""
+        if not self.memory.asleep or self._resident is not None:
+            yield
+            return
+        if weights_only:
+            self._resident = "weights"
+            try:
+                with self.memory.weights_resident():
+                    yield
+            finally:
+                self._resident = None
+            return
+        self.memory.wake_up()
+        self._resident = "all"
+        try:
+            yield
+        finally:
+            self._resident = None
+            self.memory.sleep()
+
+    def device_bytes(self) -> int:
+        """The storage counter: bytes the model(s), gradients and optimizer state hold on
+        the trainer's device now."""
+        return self.memory.device_bytes()
+
+    def _require_awake(self, what: str, weights_only: bool = False) -> None:
+        """A sleeping trainer's storages are freed: reading them would be garbage."""
+        if not self.memory.asleep or self._resident == "all":
+            return
+        if weights_only and self._resident == "weights":
+            return
+        raise RuntimeError(
+            f"{what} while the trainer is asleep (its device memory released by sleep()): "
+            "call wake_up() first, or run it inside TitanBackend.awake()"
+        )
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, rollout_id: int) -> None:
-        """A Titan checkpoint after rollout ``rollout_id``; a resume starts at the next one."""
-        self.trainer.save(rollout_id + 1, {"rollout_id": rollout_id})
+        """A checkpoint after rollout ``rollout_id`` in ``--save`` (a resume starts at the
+        next one); none is pruned: slime's and Megatron's ``--save`` keep every one."""
+        self._require_awake("a checkpoint")
+        self.trainer.save(rollout_id + 1, {"rollout_id": rollout_id}, keep_last=0)
 
     def resume(self) -> int:
-        """The first rollout id to run: after the last checkpoint in ``--save``, else 0."""
-        common = self.trainer.resume()
+        """The first rollout id to run: after the newest checkpoint in ``--load`` (slime's
+        and Megatron's resume folder; without ``--load``, the run's own save folder, as
+        ``titan_rl.grpo`` resumes), else 0 (a fresh run from ``--ref-load`` / the
+        ``--hf-checkpoint``)."""
+        common = self.trainer.resume(getattr(self.args, "load", None))
         return int(common["step"]) if common else 0
 
     def shutdown(self) -> None:

@@ -1,15 +1,24 @@
 """The Titan config of a slime or miles run: ``TITAN_CONFIG`` plus the framework's own args.
 
-A slime / miles run names one Titan file, a ``titan_rl.grpo`` YAML (``examples/math.yaml``
-works as it is), through the environment variable ``TITAN_CONFIG`` (or ``--titan-config``
-of ``python -m adapters.slime.train``, with ``--titan-override key.sub=value ...``). It carries what slime's Megatron arguments would:
-the model (``model.*``), the layout (``parallel.*``), Titan's switches (``train.fp8``,
-``train.fp8_recipe``, ``model.moe_token_dispatcher_type``,
-``parallel.overlap_moe_expert_parallel_comm``, ``train.offload_modules``, ...), the
-weight-sync transport (``sync.*``) and where the policy starts (``policy.*``). Then the
-framework's arguments in :data:`ARG_TO_KEY` that are set override their Titan keys, so
-``--lr`` or ``--eps-clip`` mean what they mean in slime. Each value goes through Titan's
-typed config: a bad one is a :class:`ConfigError` naming the argument and the key.
+A slime / miles run may name one Titan file, a ``titan_rl.grpo`` YAML (``examples/math.yaml``
+works as it is), through ``TITAN_CONFIG`` (or ``--titan-config``, with ``--titan-override
+key.sub=value ...``): it carries Titan's switches (``train.fp8``,
+``model.moe_token_dispatcher_type``, ``parallel.overlap_moe_expert_parallel_comm``,
+``train.offload_modules``, ``sync.*``, ...) and, for a run without a checkpoint of its own, the
+model and data. Then, in this order:
+
+1. ``--hf-checkpoint`` with a ``config.json``: the model section is that model's
+   (``model_config_from_hf``), and its tokenizer reads the prompts and pads the batches.
+2. Every flag given on the command line that the flag table (``adapters.common.flag_table``)
+   maps to a Titan key overrides it (a flag left at its default never does; under the
+   framework's own parser, "given" is "differs from the framework's default"). A Megatron
+   model flag that disagrees with the ``--hf-checkpoint`` config is an error naming both.
+3. Where the policy starts: the newest checkpoint in ``--load`` (a resume), else
+   ``--ref-load`` (slime's fresh run: ``--load`` and ``--save`` one empty folder), else
+   ``--hf-checkpoint``'s weights, else the YAML's ``policy``.
+
+Each value goes through Titan's typed config: a bad one is a :class:`ConfigError` naming the
+flag and the key.
 """
 
 from __future__ import annotations
@@ -24,90 +33,134 @@ from titan_rl.config import GRPOConfig
 #: environment variable naming the Titan YAML of a slime / miles run
 CONFIG_ENV = "TITAN_CONFIG"
 
-#: slime / miles argument (``args.<name>``) -> Titan key; applied when the argument is set
-ARG_TO_KEY: dict[str, str] = {
-    "lr": "train.lr",
-    "min_lr": "train.min_lr",
-    "weight_decay": "train.weight_decay",
-    "adam_beta1": "train.adam_beta1",
-    "adam_beta2": "train.adam_beta2",
-    "clip_grad": "train.clip_grad",
-    "micro_batch_size": "train.micro_batch_size",
-    "seed": "train.seed",
-    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
-    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
-    "context_parallel_size": "parallel.context_parallel_size",
-    "expert_model_parallel_size": "parallel.expert_model_parallel_size",
-    "rollout_batch_size": "rollout.prompts_per_step",
-    "n_samples_per_prompt": "rollout.n_samples_per_prompt",
-    "rollout_max_response_len": "rollout.max_response_len",
-    "advantage_estimator": "algo.advantage_estimator",
-    "eps_clip": "algo.eps_clip",
-    "eps_clip_high": "algo.eps_clip_high",
-    "eps_clip_c": "algo.eps_clip_c",
-    "use_kl_loss": "algo.use_kl_loss",
-    "kl_loss_coef": "algo.kl_loss_coef",
-    "kl_loss_type": "algo.kl_loss_type",
-    "entropy_coef": "algo.entropy_coef",
-    "use_tis": "algo.use_tis",
-}
-
-#: advantage estimators whose advantage is the framework's post-processed reward on every
-#: response token (slime / miles normalize rewards per group before training); the others
-#: need the framework's train-side returns or a critic, which this backend does not run.
-SUPPORTED_ESTIMATORS = ("grpo", "gspo")
-
 
 def config_path(args: Any) -> str | None:
     """``args.titan_config`` if the driver set it, else ``$TITAN_CONFIG``, else None."""
     return getattr(args, "titan_config", None) or os.environ.get(CONFIG_ENV) or None
 
 
-def _arg_value(args: Any, name: str) -> Any:
-    value = getattr(args, name, None)
-    if name == "use_tis" and value is False:
-        return None  # slime's flag defaults to False; Titan's None means "off unless async"
-    return value
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def flag_overrides(args: Any) -> dict[str, tuple[str, Any]]:
+    """Titan key -> (flag, value) for every flag given that the flag table maps to a key."""
+    from adapters.common.arguments import given_dests
+    from adapters.common.flag_table import FLAG_TABLE, Honoured
+
+    given = given_dests(args)
+    out: dict[str, tuple[str, Any]] = {}
+    for dest in sorted(FLAG_TABLE):
+        entry = FLAG_TABLE[dest]
+        if not isinstance(entry, Honoured) or entry.key is None or not hasattr(args, dest):
+            continue
+        # a flag left at its default: the YAML holds; without a YAML, the framework's
+        # default holds over Titan's (the model's shape comes from flags or the HF config)
+        if dest not in given and (config_path(args) or entry.key.startswith("model.")):
+            continue
+        value = getattr(args, dest)
+        try:
+            value = entry.convert(value) if entry.convert else value
+        except ValueError as e:
+            raise ConfigError(f"{_flag(dest)}: {e}") from None
+        if value is not None:
+            out[entry.key] = (_flag(dest), value)
+    # --lr without --min-lr: Megatron's min_lr default (0), not a YAML floor above the lr
+    if "train.lr" in out and "min_lr" not in given:
+        out["train.min_lr"] = ("--min-lr (Megatron's default with --lr)", 0.0)
+    # Megatron: --num-query-groups counts only with --group-query-attention
+    if "num_query_groups" in given and getattr(args, "group_query_attention", False):
+        out["model.num_query_groups"] = ("--num-query-groups", args.num_query_groups)
+    return out
+
+
+def _hf_config(args: Any) -> Path | None:
+    hf = getattr(args, "hf_checkpoint", None)
+    if hf and (Path(hf) / "config.json").is_file():
+        return Path(hf)
+    return None
+
+
+def _has_checkpoint(path: str | None) -> bool:
+    from titan_core.checkpoint.dist import latest_iteration
+
+    return bool(path) and latest_iteration(path) is not None
 
 
 def titan_config_from_args(args: Any) -> GRPOConfig:
-    """The run's :class:`GRPOConfig`: ``TITAN_CONFIG`` (or Titan's defaults) with the
-    framework's arguments of :data:`ARG_TO_KEY` on top."""
+    """The run's :class:`GRPOConfig` (see the module docstring for the order)."""
     path = config_path(args)
     if path is not None and not Path(path).is_file():
         raise ConfigError(
             f"{CONFIG_ENV}={path}: no such file; point it at a titan_rl.grpo YAML "
             "(e.g. examples/math.yaml)"
         )
-    overrides: list[str] = list(getattr(args, "titan_overrides", None) or [])
-    named: list[str] = []
-    for arg, key in ARG_TO_KEY.items():
-        value = _arg_value(args, arg)
-        if value is None:
-            continue
-        if arg == "advantage_estimator" and value not in SUPPORTED_ESTIMATORS:
-            raise ConfigError(
-                f"--advantage-estimator {value}: the Titan backend trains with "
-                f"{', '.join(SUPPORTED_ESTIMATORS)} (the reward, normalized per group by the "
-                "rollout side, is the advantage of every response token); use one of them"
-            )
-        overrides.append(f"{key}={_yaml(value)}")
-        named.append(f"--{arg.replace('_', '-')} -> {key}")
-    kl_coef = getattr(args, "kl_coef", 0.0) or 0.0
-    if kl_coef:
-        raise ConfigError(
-            f"--kl-coef {kl_coef}: a KL penalty in the reward is not supported by the Titan "
-            "backend; use --use-kl-loss with --kl-loss-coef instead"
-        )
-    load = getattr(args, "load", None)
-    if load:
-        overrides += ["policy.format=titan", f"policy.load={load}"]
+    overrides: list[str] = []
+    hf = _hf_config(args)
+    flags = flag_overrides(args)
+    if hf is not None:
+        from titan_core.models.hf import model_config_from_hf
+
+        model = model_config_from_hf(hf).model_dump()
+        for key, (flag, value) in flags.items():
+            field = key.removeprefix("model.")
+            if key.startswith("model.") and field in model and not _agree(model[field], value):
+                raise ConfigError(
+                    f"{flag} {value} disagrees with --hf-checkpoint {hf}: its config.json gives "
+                    f"model.{field}={model[field]!r}; fix the flag or the checkpoint"
+                )
+        overrides += [f"model.{k}={_yaml(v)}" for k, v in model.items() if v is not None]
+        if (hf / "tokenizer.json").is_file():
+            overrides += ["data.tokenizer_type=hf", f"data.tokenizer_model={hf}"]
+    overrides += [f"{key}={_yaml(value)}" for key, (_, value) in flags.items()]
+    overrides += _data(args)
+    overrides += _policy(args, hf)
+    overrides += list(getattr(args, "titan_overrides", None) or [])
+    named = [f"{flag} -> {key}" for key, (flag, _) in flags.items()]
     try:
         return load_config(GRPOConfig, path, overrides)
     except ConfigError as e:
         if not named:
             raise
-        raise ConfigError(f"{e}\n(arguments applied on top: {'; '.join(named)})") from None
+        raise ConfigError(f"{e}\n(flags applied on top: {'; '.join(named)})") from None
+
+
+def _data(args: Any) -> list[str]:
+    """``--prompt-data`` and its keys as the Titan data section (what Titan's prompt source
+    reads where the framework's own cannot run)."""
+    path = getattr(args, "prompt_data", None)
+    if not path:
+        return []
+    kind = "parquet" if str(path).endswith(".parquet") else "jsonl"
+    out = [f"data.type={kind}", f"data.path={path}", f"data.prompt_key={args.input_key}",
+           f"data.apply_chat_template={_yaml(bool(args.apply_chat_template))}"]  # fmt: skip
+    if args.label_key:
+        out.append(f"data.label_key={args.label_key}")
+    return out
+
+
+def _policy(args: Any, hf: Path | None) -> list[str]:
+    """Where the policy's weights come from (the reference model's too)."""
+    load, ref = getattr(args, "load", None), getattr(args, "ref_load", None)
+    if ref:
+        if not _has_checkpoint(ref):
+            raise ConfigError(
+                f"--ref-load {ref} holds no checkpoint (no latest_checkpointed_iteration.txt "
+                "naming a complete iteration); make one with python -m "
+                "adapters.slime.convert_hf_to_torch_dist --hf-checkpoint HF --save DIR"
+            )
+        return ["policy.format=titan", f"policy.load={Path(ref).resolve()}"]
+    if load and _has_checkpoint(load):
+        return ["policy.format=titan", f"policy.load={Path(load).resolve()}"]
+    if hf is not None:
+        return ["policy.format=hf", f"policy.load={hf.resolve()}"]
+    return []
+
+
+def _agree(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return float(a) == float(b)
+    return a == b
 
 
 def _yaml(value: Any) -> str:
@@ -116,4 +169,18 @@ def _yaml(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, list | tuple):
         return "[" + ",".join(_yaml(v) for v in value) + "]"
+    if value is None:
+        return "null"
     return str(value)
+
+
+def mirror_config(args: Any, cfg: GRPOConfig) -> None:
+    """Put the resolved Titan values back on ``args`` under the flags' names, so slime's and
+    miles' own code reading ``args`` (placement, DP schedule) sees the values Titan runs."""
+    from adapters.common.flag_table import FLAG_TABLE, Honoured
+
+    for dest, entry in FLAG_TABLE.items():
+        if isinstance(entry, Honoured) and entry.key and entry.convert is None:
+            section, _, field = entry.key.partition(".")
+            if hasattr(args, dest) and "." not in field:
+                setattr(args, dest, getattr(getattr(cfg, section), field))

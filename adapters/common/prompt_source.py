@@ -34,7 +34,9 @@ class TitanPrompts:
         seed = args.rollout_seed
         self._train = load_prompts(cfg.data, seed, "train")
         self._eval = load_prompts(cfg.data, seed, "eval")
-        self.sampler = PromptSampler(self._train.prompts, seed)
+        # --prompt-data: slime's Dataset order (shuffled per epoch only with --rollout-shuffle)
+        shuffle = bool(args.rollout_shuffle) if getattr(args, "prompt_data", None) else True
+        self.sampler = PromptSampler(self._train.prompts, seed, shuffle=shuffle)
         self.group_index = 0
         self.sample_index = 0
 

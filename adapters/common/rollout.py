@@ -28,10 +28,14 @@ def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
             max_new = args.eval_max_response_len
     if max_new is None:
         raise ValueError("set --rollout-max-response-len (the response budget per sample)")
+    top_p, top_k = args.rollout_top_p, args.rollout_top_k
+    if evaluation:
+        top_p = args.eval_top_p if getattr(args, "eval_top_p", None) is not None else top_p
+        top_k = args.eval_top_k if getattr(args, "eval_top_k", None) is not None else top_k
     params: dict[str, Any] = {
         "temperature": temperature,
-        "top_p": args.rollout_top_p,
-        "top_k": args.rollout_top_k,
+        "top_p": top_p,
+        "top_k": top_k,
         "max_new_tokens": max_new,
         "skip_special_tokens": getattr(args, "rollout_skip_special_tokens", False),
         "no_stop_trim": True,
@@ -41,6 +45,8 @@ def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
         params["stop"] = list(args.rollout_stop)
     if args.rollout_stop_token_ids:
         params["stop_token_ids"] = list(args.rollout_stop_token_ids)
+    if evaluation and getattr(args, "eval_min_new_tokens", None):
+        params["min_new_tokens"] = args.eval_min_new_tokens
     return params
 
 
@@ -92,26 +98,28 @@ def summary(args: Any, samples: list[Any], evaluation: bool, truncated: Any) -> 
 
 
 def rollout_groups(
-    args: Any, data_source: Any, evaluation: bool, generate: Callable, load_function: Callable
+    args: Any,
+    data_source: Any,
+    evaluation: bool,
+    generate: Callable,
+    rm: Callable,
+    eval_groups: list[list[Any]] | None = None,
 ) -> list[list[Any]]:
     """One rollout's sample groups (``--rollout-batch-size`` prompts from the source) or, for
-    an evaluation, the source's ``eval_samples()`` one response each; generated and scored
-    by ``--custom-rm-path`` (loaded with the framework's ``load_function``)."""
-    if not args.custom_rm_path:
-        raise ValueError(
-            "set --custom-rm-path (e.g. adapters.slime.rewards.exact_match or "
-            "adapters.slime.rewards.math_verify): the framework's rm_hub is not loaded here"
-        )
+    an evaluation, ``eval_groups`` (default: the source's ``eval_samples()``, one response
+    each); generated and scored by ``rm`` (the framework's rm_hub, which calls
+    ``--custom-rm-path`` where given, else scores by ``--rm-type``)."""
     if evaluation:
-        if not hasattr(data_source, "eval_samples"):
-            raise ValueError(
-                f"{type(data_source).__name__} has no eval_samples(); evaluate with Titan's "
-                "TitanPromptSource or set your own --eval-function-path"
-            )
-        groups = [[s] for s in data_source.eval_samples()]
+        if eval_groups is None:
+            if not hasattr(data_source, "eval_samples"):
+                raise ValueError(
+                    f"{type(data_source).__name__} has no eval_samples(); name the eval sets "
+                    "with --eval-prompt-data NAME PATH or set your own --eval-function-path"
+                )
+            eval_groups = [[s] for s in data_source.eval_samples()]
+        groups = eval_groups
     else:
         groups = data_source.get_samples(args.rollout_batch_size)
-    rm = load_function(args.custom_rm_path)
     asyncio.run(generate_and_score(args, groups, sampling_params(args, evaluation), generate, rm))
     return groups
 

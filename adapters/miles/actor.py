@@ -89,7 +89,10 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         self._init_process_group(args)
         self.backend = TitanBackend(args, world_size=self._world_size, with_ref=with_ref)
         self._heartbeat.bump()
-        return self.backend.resume()
+        start = self.backend.resume()
+        if getattr(args, "offload_train", False):  # as miles' Megatron actor
+            self.sleep()
+        return start
 
     def _init_process_group(self, args: Any) -> None:
         import torch.distributed as dist
@@ -128,7 +131,8 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
     ) -> Any:
         """This DP rank's share of the rollout, one optimizer step per step of miles'
         schedule. Returns miles' ``TrainStepOutcome.NORMAL``; the metrics are kept for
-        :meth:`get_metrics` (miles' group discards what ``train`` returns)."""
+        :meth:`get_metrics` (miles' group discards what ``train`` returns). A sleeping
+        trainer wakes first (miles' group puts it back to sleep with ``offload``)."""
         from adapters.miles.train_data import rank_rollout_data, with_step_schedule
 
         self._heartbeat.bump()
@@ -140,6 +144,7 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         )
         with got:
             data = with_step_schedule(self.args, data, par["dp_size"])
+            self.wake_up()
             metrics = self.backend.train(data)
         self.metrics = {"rollout_id": float(rollout_id), **metrics}
         self._heartbeat.bump()
@@ -154,7 +159,8 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         """A Titan checkpoint in ``--save`` (and an HF export to ``--save-hf``, formatted
         with ``rollout_id``, when set, as miles does)."""
         self._heartbeat.bump()
-        self.backend.save(rollout_id)
+        with self.backend.awake():  # asleep: back on the device for the save, then asleep
+            self.backend.save(rollout_id)
         save_hf = getattr(self.args, "save_hf", None)
         if save_hf:
             self.export_hf(rollout_id, save_hf.format(rollout_id=rollout_id))
@@ -169,7 +175,8 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         out = Path(path)
         if dist.get_rank() == 0:
             (out / marker).unlink(missing_ok=True)  # a stale marker would vouch for this one
-        self.backend.save_hf(out)  # ends with a barrier
+        with self.backend.awake(weights_only=True):
+            self.backend.save_hf(out)  # ends with a barrier
         if dist.get_rank() == 0:
             src = getattr(self.args, "hf_checkpoint", None)
             for name in _TOKENIZER_FILES if src and Path(src).is_dir() else ():
@@ -183,7 +190,9 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         next weight version, through Titan's ``sync.transport``: ``tensor`` (miles'
         colocated tensor update), ``distributed`` (broadcast), ``disk`` or ``mooncake``
         (miles' p2p). miles' engine lock is held (by rank 0) while the engines change;
-        rank 0 reports the version to the rollout manager as miles' actor does."""
+        rank 0 reports the version to the rollout manager as miles' actor does. A sleeping
+        trainer stays asleep but for its weights, on the device for the update (miles'
+        actor updates while asleep, from a host copy of the weights)."""
         import ray
         import torch.distributed as dist
 
@@ -206,9 +215,10 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
             dist.barrier(group=gloo)
             self.weight_version += 1
             start = time.perf_counter()
-            metrics = self.backend.update_engines(
-                urls, self.weight_version, reconnect=bool(info.has_new_engines)
-            )
+            with self.backend.awake(weights_only=True):
+                metrics = self.backend.update_engines(
+                    urls, self.weight_version, reconnect=bool(info.has_new_engines)
+                )
             metrics["time/update_weights"] = time.perf_counter() - start
             dist.barrier(group=gloo)
         finally:
@@ -223,13 +233,24 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         return metrics
 
     # ---- miles' contract: memory ------------------------------------------------------------------
-    def sleep(self, tags: Any = None) -> None:
-        """Colocated offload: Titan keeps parameters and optimizer state in place and only
-        returns the allocator's cached memory (a no-op on CPU)."""
-        self.clear_memory()
+    def sleep(self, tags: Any = None) -> dict[str, float]:
+        """Colocated offload (miles' ``RayTrainGroup.offload``; this actor itself after
+        ``init`` under ``--offload-train``): the trainer's parameters, gradients, optimizer
+        state and reference model leave the device (``TitanBackend.sleep``); returns
+        ``memory/device_bytes_before_sleep`` / ``..._after_sleep``, also in
+        :meth:`get_metrics`. ``tags`` do not apply: the trainer frees all of it. Asleep
+        already: nothing."""
+        if self.backend is None:
+            return {}
+        figures = self.backend.sleep()
+        self.metrics.update(figures)
+        return figures
 
     def wake_up(self, tags: Any = None) -> None:
-        return None
+        """Everything ``sleep`` released back on the device, as it was (miles'
+        ``RayTrainGroup.onload``); awake already: nothing."""
+        if self.backend is not None:
+            self.backend.wake_up()
 
     def clear_memory(self) -> None:
         """miles' base version calls ``torch.cuda`` directly; this asks the accelerator."""

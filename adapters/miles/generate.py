@@ -63,7 +63,9 @@ def generate_rollout(
 ) -> SimpleNamespace:
     """One rollout's sample groups (``samples``, ``metrics``), or with ``evaluation`` the
     source's ``eval_samples()`` at ``--eval-temperature`` (``data``, ``metrics``)."""
-    groups = rollout_groups(args, data_source, evaluation, generate, _misc.load_function)
+    hub = import_peer("miles.rollout.rm_hub")
+    rm = hub.batched_async_rm if args.group_rm else hub.async_rm
+    groups = rollout_groups(args, data_source, evaluation, generate, rm)
     flat = [s for g in groups for s in g]
     metrics = summary(args, flat, evaluation, _types.Sample.Status.TRUNCATED)
     if evaluation:

@@ -5,6 +5,17 @@ backend. :func:`register` adds ``titan``: every call slime makes (device, stream
 RNG, process-group and weight-update backends) is answered by ``titan_core.accelerator``,
 which picks MUSA (mccl), CUDA (nccl) or CPU (gloo) by its own rules. With
 ``SLIME_ACCELERATOR=titan``, slime's own device code runs wherever Titan does, CPU included.
+
+slime selects its backend in each process on its own (at the import of
+``slime.backends.sglang_utils`` and ``slime.backends.megatron_utils``, else at the first
+device call), so ``titan`` must be registered in each: :func:`setup_worker` is Ray's
+``worker_process_setup_hook`` for that (:data:`adapters.slime.runtime_env.SETUP_HOOK`; Ray
+runs it when a worker starts, before it loads any task or actor), and
+``python -m adapters.slime.launch`` does it for slime's driver. When slime selects ``titan``,
+the backend runs what slime's MUSA bootstrap would (:func:`adapters.slime.patch.apply_rl_patch`:
+the vendor's ``musa_patch``, torchada, Titan's megatron-core answers), as slime does for
+``musa`` before constructing it: slime imports no ``musa_patch`` for any other backend and
+calls no ``post_import_torch()`` at 624b824a.
 """
 
 from __future__ import annotations
@@ -46,7 +57,12 @@ class TitanAccelerator(_slime_base.Accelerator):
     name = NAME
 
     def __init__(self) -> None:
+        """slime constructs its backend when it selects it: Titan's start-up answers first."""
+        from adapters.slime.patch import apply_rl_patch
+
+        apply_rl_patch()
         self._t = _titan()
+        register()  # this process's device is known now: the exact communication backend
 
     # ---- identity ----------------------------------------------------------------------------
     @property
@@ -158,12 +174,10 @@ class TitanAccelerator(_slime_base.Accelerator):
         return self._t.weight_update_backend() if default == "nccl" else default
 
     def post_import_torch(self) -> None:
-        """Titan's start-up answers for megatron-core, once per process. (The rest of what
-        slime's MUSA bootstrap applies, ``adapters.slime.patch``, is registering this
-        backend: done, since slime calls this hook on the backend it selected.)"""
-        from titan_core.accelerator.megatron_compat import install_megatron_compat
+        """Titan's start-up answers (done when slime selected this backend; once)."""
+        from adapters.slime.patch import apply_rl_patch
 
-        install_megatron_compat(self._t)
+        apply_rl_patch()
 
 
 def _available() -> bool:
@@ -173,11 +187,18 @@ def _available() -> bool:
         return False
 
 
-def register(priority: int = PRIORITY) -> None:
+def register(priority: int = PRIORITY, probe: bool = True) -> None:
     """Register ``titan`` in slime's accelerator registry (idempotent). Select it with
     ``SLIME_ACCELERATOR=titan``; without that it is chosen only where slime's own backends
-    are unavailable (a CPU machine)."""
-    backends = (_titan().communication_backend(),) if _available() else ()
+    are unavailable (a CPU machine). ``probe=False`` touches no device (availability is
+    asked when slime selects; the communication backend is filled in then)."""
+    backends = (_titan().communication_backend(),) if probe and _available() else ()
     _slime_acc.register_accelerator(
         NAME, TitanAccelerator, _available, priority=priority, communication_backends=backends
     )
+
+
+def setup_worker() -> None:
+    """Ray's ``worker_process_setup_hook``: ``titan`` in this process's slime registry before
+    any actor class is loaded. Asks no device: Ray sets the visible devices afterwards."""
+    register(probe=False)

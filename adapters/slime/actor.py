@@ -37,12 +37,17 @@ class TitanTrainActor(_train_actor.TrainRayActor):
     # ---- slime's contract ---------------------------------------------------------------------
     def init(self, args: Any, role: str, with_ref: bool = False, with_opd_teacher: bool = False):
         """Process group (slime's base class, the accelerator's backend), then the trainer;
-        returns the first rollout id (after the last checkpoint in ``--save``, else 0)."""
+        returns the first rollout id (after the last checkpoint in ``--save``, else 0).
+        Under ``--offload-train`` (``--colocate``) the trainer then sleeps, as slime's
+        Megatron actor does."""
         refuse_unsupported("slime", role, with_opd_teacher)
         super().init(args, role, with_ref=with_ref, with_opd_teacher=with_opd_teacher)
         self.backend = TitanBackend(args, world_size=self._world_size, with_ref=with_ref)
         self.weight_version = int(getattr(args, "update_weight_start_version", 0) or 0)
-        return self.backend.resume()
+        start = self.backend.resume()
+        if getattr(args, "offload_train", False):
+            self.sleep()
+        return start
 
     @property
     def train_parallel_config(self) -> dict[str, int]:
@@ -54,26 +59,40 @@ class TitanTrainActor(_train_actor.TrainRayActor):
 
     def train(self, rollout_id: int, rollout_data_ref: Any, external_data: Any = None):
         """This DP rank's share of the rollout (slime's ``process_rollout_data``), one
-        optimizer step per step of slime's schedule; returns the metrics."""
+        optimizer step per step of slime's schedule; returns the metrics. A sleeping
+        trainer wakes first and, under ``--offload-train``, sleeps again after (slime's
+        Megatron actor does both; the sleep's memory figures join the metrics)."""
         data_mod = import_peer("slime.utils.data")
         par = self._get_parallel_config()
         data = data_mod.process_rollout_data(
             self.args, rollout_data_ref, par["dp_rank"], par["dp_size"]
         )
+        self.wake_up()
         self.metrics = {"rollout_id": float(rollout_id), **self.backend.train(data)}
+        if getattr(self.args, "offload_train", False):
+            del data
+            self.sleep()
         return self.metrics
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
-        self.backend.save(rollout_id)
+        with self.backend.awake():  # asleep: back on the device for the save, then asleep
+            self.backend.save(rollout_id)
 
     def update_weights(self) -> dict[str, float]:
         """The new weights to the rollout engines, as slime's ``--update-weight-transport``
         says: ``disk`` writes HF safetensors to ``update_weight_disk_dir/weight_vNNNNNN``
         (slime's group then reloads the engines); otherwise Titan's ``sync.transport``
-        (tensor / distributed / disk / mooncake) pushes them to every engine."""
+        (tensor / distributed / disk / mooncake) pushes them to every engine. A sleeping
+        trainer stays asleep but for its weights, on the device for the update (slime's
+        actor updates while asleep, from a host copy of the weights)."""
         args = self.args
         if getattr(args, "debug_train_only", False):
             return {}
+        with self.backend.awake(weights_only=True):
+            return self._update_weights()
+
+    def _update_weights(self) -> dict[str, float]:
+        args = self.args
         self.weight_version += 1
         if (
             getattr(args, "update_weight_transport", None) == "disk"
@@ -91,17 +110,29 @@ class TitanTrainActor(_train_actor.TrainRayActor):
             return {}
         return self.backend.update_engines(engine_urls(list(engines)), self.weight_version)
 
-    def sleep(self, tags: Any = None) -> None:
-        """Colocated offload: Titan keeps parameters and optimizer state in place and only
-        returns the allocator's cached memory (a no-op on CPU)."""
-        self.backend.trainer.accel.empty_cache()
+    def sleep(self, tags: Any = None) -> dict[str, float]:
+        """Colocated offload (slime's ``RayTrainGroup.offload``, and this actor itself under
+        ``--offload-train``): the trainer's parameters, gradients, optimizer state and
+        reference model leave the device (``TitanBackend.sleep``); returns
+        ``memory/device_bytes_before_sleep`` / ``..._after_sleep``, also put in the metrics.
+        ``tags`` (the engines' memory kinds) do not apply: the trainer frees all of it.
+        Asleep already: nothing."""
+        if self.backend is None:
+            return {}
+        figures = self.backend.sleep()
+        self.metrics.update(figures)
+        return figures
 
     def wake_up(self, tags: Any = None) -> None:
-        return None
+        """Everything ``sleep`` released back on the device, as it was (slime's
+        ``RayTrainGroup.onload``); awake already: nothing."""
+        if self.backend is not None:
+            self.backend.wake_up()
 
     def export_hf(self, path: str) -> None:
         """An HF directory of the current policy (rank 0 writes)."""
-        self.backend.save_hf(path)
+        with self.backend.awake(weights_only=True):
+            self.backend.save_hf(path)
 
     def shutdown(self) -> None:
         if self.backend is not None:

@@ -1,80 +1,52 @@
-"""slime's command line, for ``python -m adapters.slime.train`` (``adapters.common.arguments``
-holds the flags both drivers share and why slime's own parser cannot run here); every
-other attribute slime's own code reads (``RayTrainGroup``, ``create_placement_groups``,
-``build_dp_schedule``, ``process_rollout_data``) gets slime's default."""
+"""slime's command line, for ``python -m adapters.slime.train``: every flag slime's installed
+parser declares, with slime's defaults (read from its source: ``adapters.common.arguments``
+says why its parser cannot run here), plus the Megatron-LM flags slime's scripts pass,
+each classified by the flag table.
+
+Two of slime's defaults name modules that import ``sglang`` at the top
+(``--rollout-function-path slime.rollout.sglang_rollout.generate_rollout``); left at their
+default, the rollout goes through ``adapters.slime.rollout.generate_rollout`` (the same
+rollout over Titan's engines). ``--data-source-path`` left at its default is slime's own
+``RolloutDataSourceWithBuffer`` over ``--prompt-data``; without ``--prompt-data``, the
+Titan YAML's prompts (``adapters.slime.data_source.TitanPromptSource``).
+"""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
-from adapters.common.arguments import base_parser, finish
+from adapters.common.arguments import build_parser as _build_parser
+from adapters.common.arguments import finish, parse
 
-#: attributes slime's modules read that this driver does not expose as flags: slime's defaults
-SLIME_DEFAULTS: dict[str, Any] = {
-    "train_backend": "megatron",
-    "train_env_vars": {},
-    "offload_train": False,
-    "offload_rollout": False,
-    "release_train": False,
-    "use_routing_replay": False,
-    "use_rollout_routing_replay": False,
-    "rollout_data_transport": "object-store",
-    "debug_rollout_only": False,
-    "debug_train_only": False,
-    "rollout_external": False,
-    "use_critic": False,
-    "use_opd": False,
-    "opd_type": None,
-    "megatron_config_path": None,
-    "start_rollout_id": None,
-    "use_dynamic_batch_size": False,
-    "max_tokens_per_gpu": None,
-    "balance_data": False,
-    "balance_by_flops": False,
-    "check_weight_update_equal": False,
-    "update_weight_disk_keep_files": False,
-    "update_weight_local_checkpoint_dir": None,
-    "ci_test": False,
-    "reward_key": None,
-    "remove_sample": False,
-    "num_epoch": None,
-    "rollout_max_prompt_len": None,
-    "multimodal_keys": None,
-    "tool_key": None,
-    "apply_chat_template": False,
-    "apply_chat_template_kwargs": None,
-    "dump_details": None,
-}
+#: the rollout function this driver runs when --rollout-function-path is left at slime's
+ROLLOUT_FUNCTION = "adapters.slime.rollout.generate_rollout"
+#: the data source without --prompt-data
+TITAN_DATA_SOURCE = "adapters.slime.data_source.TitanPromptSource"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap, group = base_parser(
-        "slime",
-        actor_gpus_per_node=1,
-        data_source_path="adapters.slime.data_source.TitanPromptSource",
-        rollout_function_path="adapters.slime.rollout.generate_rollout",
-    )
-    d = group["rollout"]
-    d.add_argument("--prompt-data", default=None)
-    d.add_argument("--input-key", default="input")
-    d.add_argument("--label-key", default=None)
-    d.add_argument("--metadata-key", default="metadata")
-    d.add_argument("--rollout-shuffle", action="store_true", default=False)
-    d.add_argument("--custom-generate-function-path", default=None)
-    d.add_argument("--n-samples-per-eval-prompt", type=int, default=1)
-    k = group["checkpoints"]
-    k.add_argument("--update-weight-mode", default="full", choices=["full"])
-    k.add_argument("--update-weight-transport", default="nccl", choices=["nccl", "disk"])
-    k.add_argument("--update-weight-start-version", type=int, default=0)
-    return ap
+    return _build_parser("slime")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """slime's args namespace: the flags above, slime's defaults for the rest, and the
-    checks slime's parser makes on them (each error names the flag)."""
-    ap = build_parser()
-    args = finish(ap, ap.parse_args(argv), SLIME_DEFAULTS)
+    """slime's args namespace: every flag given checked against the flag table, slime's
+    defaults for the rest, and what slime's validation derives (errors name the flag)."""
+    args = parse("slime", argv)
+    given = set(args.titan_given)
+    if "rollout_function_path" not in given:
+        args.rollout_function_path = ROLLOUT_FUNCTION
+    if "data_source_path" not in given and args.prompt_data is None:
+        args.data_source_path = TITAN_DATA_SOURCE
+    if (
+        args.custom_rm_path is None
+        and args.rm_type is None
+        and (args.rollout_function_path == ROLLOUT_FUNCTION)
+    ):
+        build_parser().error(
+            "set --rm-type (the framework's rm_hub: deepscaler, dapo, math, f1, remote_rm, ...) "
+            "or --custom-rm-path to score the rollouts"
+        )
+    args = finish(build_parser(), args)
     if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
-        ap.error("--update-weight-transport disk needs --update-weight-disk-dir")
+        build_parser().error("--update-weight-transport disk needs --update-weight-disk-dir")
     return args

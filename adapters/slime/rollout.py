@@ -16,6 +16,7 @@ does, with ``slime.utils.misc.load_function``: ``--data-source-path``,
 
 from __future__ import annotations
 
+import copy
 import itertools
 from typing import Any
 
@@ -28,18 +29,87 @@ _base_types = import_peer("slime.rollout.base_types")
 _types = import_peer("slime.utils.types")
 
 
+def reward_function(args: Any) -> Any:
+    """slime's own reward hub: ``--custom-rm-path`` where given, else ``--rm-type``
+    (deepscaler, dapo, math, f1, gpqa, remote_rm, ...); batched with ``--group-rm``."""
+    hub = import_peer("slime.rollout.rm_hub")
+    return hub.batched_async_rm if args.group_rm else hub.async_rm
+
+
+def eval_datasets(args: Any) -> list[tuple[str, list[Any]]]:
+    """``--eval-prompt-data NAME PATH ...``: each set's prompts read by slime's own
+    ``Dataset`` (``--eval-input-key`` / ``--eval-label-key`` / ``--eval-tool-key``, else the
+    rollout's keys; the chat template and prompt length limit as for training)."""
+    pairs = list(args.eval_prompt_data or [])
+    if not pairs:
+        return []
+    data = import_peer("slime.utils.data")
+    processing = import_peer("slime.utils.processing_utils")
+    tokenizer = processing.load_tokenizer(args.hf_checkpoint, trust_remote_code=True)
+    out = []
+    for name, path in zip(pairs[::2], pairs[1::2], strict=True):
+        ds = data.Dataset(
+            path,
+            tokenizer=tokenizer,
+            processor=None,
+            max_length=args.eval_max_prompt_len or args.rollout_max_prompt_len,
+            prompt_key=args.eval_input_key or args.input_key,
+            multimodal_keys=None,
+            label_key=args.eval_label_key or args.label_key,
+            metadata_key=args.metadata_key,
+            tool_key=args.eval_tool_key or args.tool_key,
+            apply_chat_template=args.apply_chat_template,
+            apply_chat_template_kwargs=args.apply_chat_template_kwargs,
+            seed=args.rollout_seed,
+        )
+        out.append((name, list(ds.samples)))
+    return out
+
+
+def _eval_groups(args: Any) -> tuple[list[list[Any]], list[str]] | None:
+    sets = eval_datasets(args)
+    if not sets:
+        return None
+    groups, names = [], []
+    index = 0
+    for name, prompts in sets:
+        for p in prompts:
+            group = []
+            for _ in range(args.n_samples_per_eval_prompt):
+                s = copy.deepcopy(p)
+                s.index, index = index, index + 1
+                group.append(s)
+            groups.append(group)
+            names.append(name)
+    return groups, names
+
+
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False):
-    """slime's rollout function: one rollout's sample groups (or the evaluation set) through
+    """slime's rollout function: one rollout's sample groups (or the evaluation sets) through
     ``--custom-generate-function-path`` (default ``adapters.slime.generate.generate``), scored
-    by ``--custom-rm-path``. Evaluation uses the source's ``eval_samples()`` (one response
-    each, ``--eval-temperature`` / ``--eval-max-response-len``)."""
+    by slime's reward hub. Evaluation: the ``--eval-prompt-data`` sets,
+    ``--n-samples-per-eval-prompt`` responses each at the ``--eval-*`` sampling settings
+    (``eval/<name>``: a set's mean reward), else the source's ``eval_samples()``."""
     path = args.custom_generate_function_path or "adapters.slime.generate.generate"
     generate = _misc.load_function(path)
-    groups = rollout_groups(args, data_source, evaluation, generate, _misc.load_function)
+    named = _eval_groups(args) if evaluation else None
+    groups = rollout_groups(
+        args, data_source, evaluation, generate, reward_function(args),
+        eval_groups=named[0] if named else None,
+    )  # fmt: skip
     flat = [s for grp in groups for s in grp]
     metrics = summary(args, flat, evaluation, _types.Sample.Status.TRUNCATED)
     if evaluation:
-        data = {"eval": {"rewards": [s.reward for s in flat], "samples": flat}}
+        data: dict[str, Any] = {}
+        if named:
+            for group, name in zip(groups, named[1], strict=True):
+                entry = data.setdefault(name, {"rewards": [], "samples": []})
+                entry["rewards"] += [s.get_reward_value(args) for s in group]
+                entry["samples"] += group
+            for name, entry in data.items():
+                metrics[f"eval/{name}"] = sum(map(float, entry["rewards"])) / len(entry["rewards"])
+        else:
+            data["eval"] = {"rewards": [s.reward for s in flat], "samples": flat}
         return _base_types.RolloutFnEvalOutput(data=data, metrics=metrics)
     return _base_types.RolloutFnTrainOutput(samples=groups, metrics=metrics)
 

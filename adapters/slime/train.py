@@ -28,6 +28,7 @@ from typing import Any
 
 from adapters.common.driver import (
     EXIT_CONFIG_ERROR,
+    colocated_offload,
     finish_run,
     prepare,
     ray_init,
@@ -48,6 +49,7 @@ def train(args: Any) -> int:
 
     placement = import_peer("slime.ray.placement_group")
     run_dir = start_policy(args, prepare(args))
+    offload_train = colocated_offload(args)
     register()
     ray_init(args)
     pgs = placement.create_placement_groups(args)
@@ -57,11 +59,18 @@ def train(args: Any) -> int:
         actor_model, _ = placement.create_training_models(
             args, pgs, manager, actor_cls=TitanTrainActor
         )
+        start = args.start_rollout_id
+        if args.rollout_global_dataset:  # the prompts' position after the resumed rollout
+            ray.get(manager.load.remote(start - 1))
+        if args.num_rollout is None:  # slime: --num-epoch passes over --prompt-data
+            per_epoch = ray.get(manager.get_num_rollout_per_epoch.remote())
+            args.num_rollout = args.num_epoch * per_epoch
         ray.get(manager.start_engines.remote(args.hf_checkpoint))
         actor_model.update_weights()  # slime's first step: the engines serve the policy
-        start = args.start_rollout_id
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        if start == 0 and args.eval_interval is not None:
+        if offload_train:
+            actor_model.offload()
+        writer = MetricsWriter(run_dir / "metrics.jsonl", truncate_after=start)
+        if start == 0 and args.eval_interval is not None and not args.skip_eval_before_train:
             ev = ray.get(manager.eval.remote(0))
             writer.write({"step": 0, **ev})
             print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
@@ -70,20 +79,24 @@ def train(args: Any) -> int:
             t0 = time.perf_counter()
             refs = ray.get(manager.generate.remote(rollout_id))
             rollout_metrics = ray.get(manager.get_metrics.remote())
-            if args.colocate:
+            if args.offload_rollout:
                 ray.get(manager.offload.remote())
+            if offload_train:
+                actor_model.onload()
             t1 = time.perf_counter()
             train_metrics = ray.get(actor_model.async_train(rollout_id, refs))[0] or {}
             t2 = time.perf_counter()
             if args.save_interval and (rollout_id + 1) % args.save_interval == 0:
                 actor_model.save_model(rollout_id)
                 ray.get(manager.save.remote(rollout_id))
-            if args.colocate:
+            if args.offload_rollout:
                 ray.get(manager.onload_weights.remote())
             t3 = time.perf_counter()
             synced = actor_model.update_weights()
-            if args.colocate:
+            if args.offload_rollout:
                 ray.get(manager.onload_kv.remote())
+            if offload_train:
+                actor_model.offload()
             t4 = time.perf_counter()
             rec: dict[str, Any] = {"step": rollout_id + 1, **rollout_metrics, **train_metrics}
             if isinstance(synced, list) and synced and isinstance(synced[0], dict):
@@ -99,6 +112,8 @@ def train(args: Any) -> int:
             writer.write(rec)
             print(status_line(rec, args.num_rollout), flush=True)
         if args.num_rollout > start:
+            if offload_train:
+                actor_model.onload()
             actor_model.save_model(args.num_rollout - 1)
             ray.get(manager.save.remote(args.num_rollout - 1))
         writer.close()

@@ -1,12 +1,16 @@
-"""slime's real accelerator registry selects ``titan``; its shims answer on CPU; the MUSA
-bootstrap modules are found through MUSA_PATCH_PATH / MUSA_TITAN_PATH as slime looks them
-up and applied once; a missing peer package is an error naming it.
+"""Titan's backend through slime's own selection (``initialize_accelerator()`` /
+``get_accelerator()``): in a fresh interpreter, in slime's MUSA bootstrap (its ``musa``
+backend importing ``musa_patch``), and in a real Ray worker that got ``titan`` only from the
+job's ``worker_process_setup_hook``; what slime calls, read from slime's installed source;
+a missing peer package is an error naming it.
 
 Each case runs in a fresh interpreter: slime's registry and Titan's start-up answers are
 per-process state."""
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,26 +24,176 @@ pytest.importorskip("slime.utils.accelerator", reason="slime's wheel (../shared/
 
 REPO = Path(__file__).resolve().parents[2]
 BOOTSTRAP = REPO / "adapters/slime/bootstrap"
+SLIME = Path(importlib.util.find_spec("slime").origin).parent  # slime's installed source
+
+#: a vendor ``musa_patch`` as Moore Threads' look: work at import and in the hook; each
+#: records whether Titan's answers were there yet
+VENDOR = """
+from titan_core.accelerator.megatron_compat import megatron_compat_installed
+CALLS = [["import", megatron_compat_installed()]]
+def patch_after_import_torch():
+    CALLS.append(["hook", megatron_compat_installed()])
+"""
+
+#: a slime backend named ``musa`` whose device counts as present: slime's own MUSA backend
+#: class otherwise, registered with slime's public ``register_accelerator``
+TEST_MUSA = """
+import sys
+from slime.utils import accelerator as acc
+from slime.utils.accelerator.musa import MUSAAccelerator
+from titan_core.accelerator.megatron_compat import megatron_compat_installed
+SEEN = {}
+class TestMusa(MUSAAccelerator):
+    def __init__(self):
+        SEEN["musa_patch"] = getattr(sys.modules.get("musa_patch"), "__file__", None)
+        SEEN["musa_titan"] = getattr(sys.modules.get("musa_titan"), "__file__", None)
+        SEEN["compat"] = megatron_compat_installed()
+    def is_available(self):
+        return True
+acc.register_accelerator("musa", TestMusa, lambda: True, priority=200, communication_backends=("mccl",))
+"""
+
+#: slime PR #2398's lookup as its description gives it: $MUSA_TITAN_PATH appended to
+#: sys.path, ``import musa_titan``, ``musa_titan.apply_rl_patch()``
+PR_LOOKUP = """
+import importlib, os, sys
+sys.path.append(os.environ["MUSA_TITAN_PATH"])
+importlib.import_module("musa_titan").apply_rl_patch()
+"""
 
 
-def _run(code: str, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLIME_", "MUSA_", "TITAN_"))}
+def _env(**env: str) -> dict[str, str]:
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLIME_", "MUSA_", "TITAN_", "RAY_"))
+    }
+    return {**clean, **env}
+
+
+def _run(*code: str, **env: str) -> dict:
+    """Run the code parts (each dedented) in a fresh interpreter; its last line's JSON."""
+    source = "\n".join(textwrap.dedent(part) for part in code)
     proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, cwd=REPO, env={**clean, **env}, timeout=300,
+        [sys.executable, "-c", source],
+        capture_output=True, text=True, cwd=REPO, env=_env(**env), timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _tree(rel: str) -> ast.Module:
+    return ast.parse((SLIME / rel).read_text())
+
+
+def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def _calls(node: ast.AST) -> list[ast.Call]:
+    return [n for n in ast.walk(node) if isinstance(n, ast.Call)]
+
+
+def _called(call: ast.Call) -> str:
+    f = call.func
+    return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+
+
+def _strings(node: ast.AST) -> set[str]:
+    return {
+        n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+
+
+def slime_has_musa_titan() -> bool:
+    """Whether the installed slime has PR #2398 (it names ``MUSA_TITAN_PATH``)."""
+    return any(
+        "MUSA_TITAN_PATH" in p.read_text() for p in (SLIME / "utils/accelerator").glob("*.py")
+    )
+
+
+# ---- what slime calls, from its installed source ---------------------------------------------
+@pytest.mark.parametrize(
+    "rel", ["backends/sglang_utils/__init__.py", "backends/megatron_utils/__init__.py"]
+)
+def test_slime_selects_at_import_before_sglang_and_megatron(rel):
+    """These packages' first statements select the backend (module level), before anything
+    of SGLang / megatron-core / DeepEP is imported: a process importing them (slime's driver,
+    rollout manager, SGLang engine actors, Megatron train actors) needs ``titan`` registered."""
+    body = _tree(rel).body
+    at = [
+        i for i, stmt in enumerate(body)
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+        and _called(stmt.value) == "initialize_accelerator"
+    ]  # fmt: skip
+    assert at, f"{rel}: no module-level initialize_accelerator()"
+    before = body[: at[0]]
+    imported = {a.name for s in before if isinstance(s, ast.Import) for a in s.names}
+    imported |= {s.module or "" for s in before if isinstance(s, ast.ImportFrom)}
+    assert not any(m.split(".")[0] in {"sglang", "megatron", "deep_ep"} for m in imported)
+    assert not any(isinstance(s, ast.Try) for s in before)
+
+
+def test_slime_imports_musa_patch_only_for_musa_and_never_calls_post_import_torch():
+    """slime at this commit: ``_make_selected`` bootstraps (``_import_musa_patch``: append
+    ``$MUSA_PATCH_PATH``, import ``musa_patch``) only when the name is ``musa``, before it
+    checks availability and constructs the backend; ``MUSAAccelerator.post_import_torch``
+    would call ``musa_patch.patch_after_import_torch()``, but nothing calls
+    ``post_import_torch`` except the module-level shim, and nothing calls the shim."""
+    tree = _tree("utils/accelerator/__init__.py")
+    make = _function(tree, "_make_selected")
+    musa_if = next(
+        n for n in ast.walk(make)
+        if isinstance(n, ast.If) and "musa" in _strings(n.test)
+        and any(_called(c) == "_bootstrap_musa_patch_if_needed" for c in _calls(n))
+    )  # fmt: skip
+    factory = next(c for c in _calls(make) if _called(c) == "factory")
+    available = [c for c in _calls(make) if _called(c) == "is_available"]
+    assert musa_if.lineno < factory.lineno and all(musa_if.lineno < c.lineno for c in available)
+    assert "musa_patch" in _strings(_function(tree, "_import_musa_patch"))
+    assert "MUSA_PATCH_PATH" in _strings(_function(tree, "_append_musa_patch_path"))
+    hook = _function(_tree("utils/accelerator/musa.py"), "post_import_torch")
+    assert {"musa_patch", "patch_after_import_torch"} <= _strings(hook)
+
+    callers = {}
+    for path in SLIME.rglob("*.py"):
+        for call in _calls(ast.parse(path.read_text())):
+            if _called(call) == "post_import_torch":
+                callers.setdefault(str(path.relative_to(SLIME)), []).append(call)
+    assert list(callers) == ["utils/accelerator/__init__.py"]
+    shim = _function(tree, "post_import_torch")  # `def post_import_torch(): _backend().post_...`
+    assert all(
+        shim.lineno <= c.lineno <= shim.end_lineno for c in callers["utils/accelerator/__init__.py"]
+    )
+
+
+# ---- titan through slime's selection -------------------------------------------------------
+def test_without_registration_slime_refuses_titan():
+    """The crash this fixes: slime's own module import under SLIME_ACCELERATOR=titan in a
+    process where nothing registered it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import slime.backends.sglang_utils"],
+        capture_output=True, text=True, cwd=REPO, env=_env(SLIME_ACCELERATOR="titan"), timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "Unknown accelerator 'titan'" in proc.stderr
+
+
 def test_registry_selects_titan_and_its_shims_answer_on_cpu():
+    """After the worker hook (``setup_worker``, which asks no device), slime's import-time
+    selection picks ``titan``, and only then installs Titan's start-up answers and learns
+    its communication backend; slime's shims answer."""
     out = _run(
         """
         import json, torch
-        import adapters.slime as titan_slime
+        from adapters.slime.accelerator import setup_worker
+        from titan_core.accelerator import registry
+        from titan_core.accelerator.megatron_compat import megatron_compat_installed
+        setup_worker()
         from slime.utils import accelerator as acc
-        titan_slime.register()
-        a = acc.get_accelerator()
+        # no device asked yet (Titan chose none), no start-up answers, no backend known
+        before = [registry._CURRENT is None, megatron_compat_installed(), acc.is_accelerator_backend("gloo")]
+        import slime.backends.sglang_utils                   # slime selects at import
+        a = acc.initialize_accelerator()
         acc.set_device(0)
         acc.synchronize()
         s, e = acc.new_stream(), acc.new_event()
@@ -47,20 +201,23 @@ def test_registry_selects_titan_and_its_shims_answer_on_cpu():
             x = torch.ones(3, device=acc.device()) * 2
         e.record()
         acc.manual_seed(7)
-        r1 = torch.rand(2)
         acc.set_rng_state(acc.get_rng_state())
         free, total = acc.mem_get_info()
         print(json.dumps({
-            "name": a.name, "type": acc.device_type(), "device": str(acc.device()),
-            "pg": acc.process_group_backend(), "pg_gloo": acc.process_group_backend("gloo"),
-            "wu": acc.weight_update_backend(), "count": acc.device_count(),
-            "x": x.sum().item(), "mem": [free > 0, total >= free], "alloc": acc.memory_allocated() >= 0,
-            "is_accel_gloo": acc.is_accelerator_backend("gloo"),
+            "before": before, "compat": megatron_compat_installed(),
+            "name": a.name, "same": a is acc.get_accelerator(), "type": acc.device_type(),
+            "device": str(acc.device()), "pg": acc.process_group_backend(),
+            "pg_gloo": acc.process_group_backend("gloo"), "wu": acc.weight_update_backend(),
+            "count": acc.device_count(), "x": x.sum().item(), "mem": [free > 0, total >= free],
+            "alloc": acc.memory_allocated() >= 0, "is_accel_gloo": acc.is_accelerator_backend("gloo"),
         }))
         """,
         SLIME_ACCELERATOR="titan",
     )
-    assert out["name"] == "titan" and out["type"] == "cpu" and out["device"] == "cpu"
+    assert out["before"] == [True, None, False] and out["compat"] == "cpu"
+    assert (
+        out["name"] == "titan" and out["same"] and out["type"] == "cpu" and out["device"] == "cpu"
+    )
     assert out["pg"] == "gloo" and out["pg_gloo"] == "gloo" and out["wu"] == "gloo"
     assert out["count"] == 1 and out["x"] == 6.0 and out["mem"] == [True, True] and out["alloc"]
     assert out["is_accel_gloo"]
@@ -81,81 +238,175 @@ def test_without_the_variable_titan_is_picked_where_slime_has_no_backend():
     assert out == {"before": True, "after": "titan"}
 
 
-def test_musa_patch_path_bootstrap_applies_once():
-    """slime's own lookup (append $MUSA_PATCH_PATH, import musa_patch) and its MUSA
-    accelerator's post_import_torch hook both reach Titan's patch; the second changes nothing.
-    (On a MUSA machine Titan picks musa by itself; here it is told its device is the CPU.)"""
+@pytest.mark.slow
+def test_ray_workers_get_titan_from_the_setup_hook(tmp_path):
+    """slime's driver run through ``python -m adapters.slime.launch`` (Ray started as the
+    script's first Ray call would, with the job's runtime env): the driver's import-time
+    selection finds ``titan``, and a Ray actor whose module selects at import (as slime's
+    rollout manager's does) gets ``titan`` from the job's ``worker_process_setup_hook``
+    alone, before Ray loads the actor's class (the actor's own ``env_vars``, as slime gives
+    its actors, merge with the job's); Titan's answers are installed there. ~45 s here: a
+    Ray start with slime's defaults, a worker importing megatron-core."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(
+        """
+        import json, os, sys
+        import ray
+        from tests.adapters.slime_probe import Probe   # selects in the driver, at import
+        from slime.utils import accelerator
+        # an actor with its own env_vars, as slime creates its rollout manager and engines
+        own = {"env_vars": {"RAY_USE_UVLOOP": "0"}}
+        probe = ray.remote(num_cpus=0)(Probe).options(runtime_env=own).remote()
+        out = ray.get(probe.report.remote())
+        env = ray.get_runtime_context().runtime_env
+        out.update(driver=accelerator.get_accelerator().name, driver_pid=os.getpid(),
+                   argv=sys.argv[1:], hook=env.get("worker_process_setup_hook"))
+        ray.shutdown()
+        print(json.dumps(out))
+        """
+    ))  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapters.slime.launch", str(script), "--num-rollout", "1"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env=_env(RAY_ADDRESS="local", OMP_NUM_THREADS="1"),  # a Ray of its own
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["driver"] == "titan" and out["argv"] == ["--num-rollout", "1"]
+    assert out["hook"] == "adapters.slime.accelerator.setup_worker"
+    assert out["pid"] != out["driver_pid"]
+    assert out["at_import"] == "titan" and out["compat_at_import"] == "cpu"
+    assert out["name"] == "titan" and out["device"] == "cpu" and out["pg"] == "gloo"
+    assert out["gloo_is_device_backend"]
+
+
+# ---- slime's musa backend and Titan's bootstrap modules ---------------------------------------
+def test_slime_musa_selection_runs_titans_musa_patch_after_the_vendors(tmp_path):
+    """SLIME_ACCELERATOR=musa, MUSA_PATCH_PATH=Titan's folder, the vendor's ``musa_patch`` in
+    TITAN_VENDOR_MUSA_PATCH_PATH. slime's built-in ``musa`` on this CPU machine: its selection
+    imports Titan's module, then refuses (no torch.musa). A ``musa`` backend whose device
+    counts as present (slime's MUSA class, registered with ``register_accelerator``): slime
+    constructs it after the bootstrap; the vendor's module and hook ran once, before Titan's
+    answers; slime's ``post_import_torch`` hook changes nothing more."""
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    (vendor / "musa_patch.py").write_text(VENDOR)
     out = _run(
         """
-        import json
+        import json, sys
         from slime.utils import accelerator as acc
-        from slime.utils.accelerator.musa import MUSAAccelerator
-        from titan_core.accelerator import megatron_compat
-        found = acc._import_musa_patch()              # slime's bootstrap of musa_patch
-        import adapters.slime.patch as patch
-        n = len(megatron_compat._PATCHES)
-        MUSAAccelerator().post_import_torch()          # calls musa_patch.patch_after_import_torch
-        again = acc._import_musa_patch()
+        try:
+            acc.initialize_accelerator()
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        bootstrap = getattr(sys.modules.get("musa_patch"), "__file__", None)
+        """,
+        TEST_MUSA,
+        """
+        a = acc.initialize_accelerator()
+        acc.post_import_torch()  # MUSAAccelerator's: musa_patch.patch_after_import_torch()
+        acc.post_import_torch()
         import musa_patch
         print(json.dumps({
-            "found": found, "again": again, "applied": patch.applied(),
-            "compat": megatron_compat.megatron_compat_installed(), "patches": n,
-            "unchanged": len(megatron_compat._PATCHES) == n,
-            "module": musa_patch.__file__, "titan_registered": "titan" in acc._REGISTRY,
+            "refused": refused, "bootstrap": bootstrap, "name": a.name, "seen": SEEN,
+            "vendor_calls": musa_patch.CALLS,
+            "vendor": sys.modules["titan_vendor_musa_patch"].__file__,
+            "titan_registered": acc.is_accelerator_backend("gloo"),
         }))
         """,
+        SLIME_ACCELERATOR="musa",
         MUSA_PATCH_PATH=str(BOOTSTRAP),
-        TITAN_ACCELERATOR="cpu",  # MUSA_PATCH_PATH alone means musa, which this machine lacks
+        TITAN_VENDOR_MUSA_PATCH_PATH=str(vendor),
+        TITAN_ACCELERATOR="cpu",  # Titan's device here (MUSA_PATCH_PATH alone means musa)
     )
-    assert out["found"] and out["again"] and out["applied"] == "cpu" and out["compat"] == "cpu"
-    assert out["patches"] > 0 and out["unchanged"] and out["titan_registered"]
-    assert Path(out["module"]).parent == BOOTSTRAP
+    assert "Requested accelerator 'musa' is unavailable" in out["refused"]
+    assert Path(out["bootstrap"]) == BOOTSTRAP / "musa_patch.py"
+    assert out["name"] == "musa" and out["titan_registered"]
+    assert (
+        out["seen"]["compat"] == "cpu"
+        and Path(out["seen"]["musa_patch"]) == BOOTSTRAP / "musa_patch.py"
+    )
+    assert out["vendor_calls"] == [["import", None], ["hook", None]]
+    assert Path(out["vendor"]) == vendor / "musa_patch.py"
 
 
-def test_titan_backends_post_import_hook_installs_titans_answers():
-    """slime calls ``post_import_torch()`` on the backend it selected: for ``titan`` that is
-    megatron-core's answers from Titan's accelerator (once; a second call changes nothing)."""
+def test_musa_titan_path_bootstrap(tmp_path):
+    """slime PR #2398 (open): ``musa_titan`` through ``MUSA_TITAN_PATH``, ``apply_rl_patch()``
+    during MUSA initialization. With a slime that has it, through slime's selection; with
+    the installed slime (before it), its lookup as the PR describes it. ``MUSA_PATCH_PATH``
+    names the vendor's folder: its ``musa_patch`` runs first, under its own name."""
+    vendor = tmp_path / "vendor"
+    vendor.mkdir()
+    (vendor / "musa_patch.py").write_text(VENDOR)
+    select = [TEST_MUSA, "acc.initialize_accelerator()"] if slime_has_musa_titan() else [PR_LOOKUP]
     out = _run(
+        *select,
         """
-        import json
-        import adapters.slime as titan_slime
-        from slime.utils import accelerator as acc
-        from titan_core.accelerator import megatron_compat
-        titan_slime.register()
-        before = megatron_compat.megatron_compat_installed()
-        acc.post_import_torch()
-        n = len(megatron_compat._PATCHES)
-        acc.post_import_torch()
+        import json, sys
+        import musa_titan
+        from titan_core.accelerator.megatron_compat import megatron_compat_installed
+        again = musa_titan.apply_rl_patch()
+        musa_titan.patch_after_import_torch()
         print(json.dumps({
-            "name": acc.get_accelerator().name, "before": before,
-            "after": megatron_compat.megatron_compat_installed(),
-            "unchanged": len(megatron_compat._PATCHES) == n,
+            "module": musa_titan.__file__, "again": again, "compat": megatron_compat_installed(),
+            "vendor": sys.modules["musa_patch"].__file__,
+            "vendor_calls": sys.modules["musa_patch"].CALLS,
         }))
         """,
-        SLIME_ACCELERATOR="titan",
-    )
-    assert out == {"name": "titan", "before": None, "after": "cpu", "unchanged": True}
-
-
-def test_musa_titan_path_bootstrap_applies_once():
-    """slime PR #2398's lookup: $MUSA_TITAN_PATH on sys.path, import musa_titan, call
-    apply_rl_patch() (the wheel predates the PR, so the lookup is done here as it does it)."""
-    out = _run(
-        """
-        import importlib, json, os, sys
-        sys.path.append(os.environ["MUSA_TITAN_PATH"])
-        musa_titan = importlib.import_module("musa_titan")
-        from titan_core.accelerator import megatron_compat
-        first = musa_titan.apply_rl_patch()
-        n = len(megatron_compat._PATCHES)
-        second = musa_titan.apply_rl_patch()
-        print(json.dumps({"first": first, "second": second,
-                          "unchanged": len(megatron_compat._PATCHES) == n}))
-        """,
+        SLIME_ACCELERATOR="musa",
         MUSA_TITAN_PATH=str(BOOTSTRAP),
+        MUSA_PATCH_PATH=str(vendor),
         TITAN_ACCELERATOR="cpu",
     )
-    assert out == {"first": "cpu", "second": "cpu", "unchanged": True}
+    assert Path(out["module"]) == BOOTSTRAP / "musa_titan.py"
+    assert out["again"] == "cpu" and out["compat"] == "cpu"
+    assert Path(out["vendor"]) == vendor / "musa_patch.py"
+    assert out["vendor_calls"] == [["import", None], ["hook", None]]
+
+
+# ---- the runtime env a driver gives Ray ------------------------------------------------------
+def test_runtime_env_names_the_hook_and_fills_only_what_a_submitted_job_lacks(monkeypatch):
+    from adapters.slime import runtime_env as renv
+
+    monkeypatch.delenv(renv.JOB_CONFIG_ENV, raising=False)
+    monkeypatch.setenv("SLIME_ACCELERATOR", "titan")
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    env = renv.runtime_env()
+    assert env["worker_process_setup_hook"] == "adapters.slime.accelerator.setup_worker"
+    assert env["env_vars"]["PYTHONPATH"] == os.pathsep.join([str(REPO), "/x"])
+    assert env["env_vars"]["SLIME_ACCELERATOR"] == "titan"
+
+    job = {"worker_process_setup_hook": renv.SETUP_HOOK, "env_vars": {"PYTHONPATH": "/y"}}
+    monkeypatch.setenv(renv.JOB_CONFIG_ENV, json.dumps({"runtime_env": job, "metadata": {}}))
+    assert renv.runtime_env() == {"env_vars": {"SLIME_ACCELERATOR": "titan"}}
+    other = {"worker_process_setup_hook": "my.hook"}
+    with pytest.raises(RuntimeError, match="my.hook"):
+        renv.runtime_env(other)
+
+
+def test_ray_init_gives_workers_the_hook(monkeypatch):
+    """``python -m adapters.slime.train``'s Ray start (``ray_init``) carries the hook."""
+    import ray
+
+    from adapters.common import driver
+    from adapters.slime.runtime_env import SETUP_HOOK
+
+    seen: dict = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    for var in ("SLIME_ACCELERATOR", "TITAN_CONFIG"):
+        monkeypatch.delenv(var, raising=False)
+
+    class Args:
+        titan_config = str(REPO / "examples/math.yaml")
+        actor_num_nodes, actor_num_gpus_per_node, rollout_num_gpus, colocate = 1, 1, 1, True
+
+    driver.ray_init(Args())
+    assert seen["runtime_env"]["worker_process_setup_hook"] == SETUP_HOOK
+    assert seen["runtime_env"]["env_vars"]["SLIME_ACCELERATOR"] == "titan"
+    assert seen["runtime_env"]["env_vars"]["TITAN_CONFIG"] == Args.titan_config
 
 
 def test_titan_switches_reach_slime_args_from_one_file(tmp_path):

@@ -98,6 +98,17 @@ class Accelerator(ABC):
     def get_device_properties(self, device: Any = None) -> Any:
         return None
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A host byte buffer for copies to and from the device: pinned where the device
+        kind pins (asynchronous, faster copies), plain host memory otherwise."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.supports("pin_memory"))
+
+    def memory_saver(self, tag: str) -> Any:
+        """A ``titan_core.accelerator.memory_saver.MemorySaver`` that releases the device
+        memory of allocations tagged ``tag`` and restores it, where the device kind has
+        one in use in this process; None: the caller frees storages itself."""
+        return None
+
     def memory_stats(self) -> dict[str, int]:
         """A small, uniform set of memory figures for metrics.jsonl."""
         free, total = self.mem_get_info()

@@ -73,6 +73,14 @@ class CudaAccelerator(Accelerator):
     def max_memory_allocated(self, device: Any = None) -> int:
         return self.accelerator_module.max_memory_allocated(device)
 
+    def memory_saver(self, tag: str) -> Any:
+        """torch_memory_saver where installed with its preload hook loaded (CUDA only)."""
+        if self.device_type != "cuda":
+            return None
+        from titan_core.accelerator.memory_saver import find_memory_saver
+
+        return find_memory_saver(tag)
+
     def ipc_collect(self) -> None:
         self.accelerator_module.ipc_collect()
 

@@ -74,7 +74,7 @@ class MusaAccelerator(CudaAccelerator):
         """Load torchada so torch_musa answers megatron-core's ``torch.cuda`` calls.
 
         Also honours slime's ``MUSA_PATCH_PATH`` bootstrap: a ``musa_patch`` module found
-        there has its ``patch_after_import_torch()`` called, as slime does.
+        there has its ``patch_after_import_torch()`` called (once: :func:`call_patch_hook`).
         """
         self.accelerator_module  # noqa: B018 - imports torch_musa if needed
         if _importable("torchada"):
@@ -87,9 +87,23 @@ class MusaAccelerator(CudaAccelerator):
                 patch = importlib.import_module("musa_patch")
             except ImportError:
                 return
-            hook = getattr(patch, "patch_after_import_torch", None)
-            if callable(hook):
-                hook()
+            call_patch_hook(patch)
+
+
+#: set on a ``musa_patch`` module once its ``patch_after_import_torch()`` has run
+_HOOK_DONE = "__titan_patch_hook_done__"
+
+
+def call_patch_hook(module: Any) -> bool:
+    """Call a ``musa_patch`` module's ``patch_after_import_torch()`` once per process,
+    whoever asks (this accelerator, slime's MUSA backend through Titan's bootstrap, the
+    adapters' vendor step). Returns whether it was called now."""
+    hook = getattr(module, "patch_after_import_torch", None)
+    if not callable(hook) or getattr(module, _HOOK_DONE, False):
+        return False
+    setattr(module, _HOOK_DONE, True)
+    hook()
+    return True
 
 
 def _privateuse1_backend() -> str | None:

@@ -13,12 +13,21 @@ import orjson
 class MetricsWriter:
     """Append-only JSON-lines metrics; line-buffered so a kill loses at most one step."""
 
-    def __init__(self, path: str | Path, enabled: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, enabled: bool = True, truncate_after: int | None = None
+    ) -> None:
+        """``truncate_after``: a resumed run's last completed step; records of later steps
+        (written before the run stopped, and about to be run again) are dropped first."""
         self.path = Path(path)
         self.enabled = enabled
         self._f = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if truncate_after is not None and self.path.is_file():
+                kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= truncate_after]
+                tmp = self.path.with_suffix(".jsonl.tmp")
+                tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in kept))
+                tmp.replace(self.path)
             self._f = open(self.path, "ab")  # noqa: SIM115 - lives as long as the run
 
     def write(self, record: dict[str, Any]) -> None:

@@ -104,7 +104,11 @@ class PolicyTrainer:
         self.optimizer, self.scheduler = self.setup.optimizer, self.setup.scheduler
         self.vocab_size = self.setup.vocab_size
         if cfg.policy.format == "titan":
-            self.hf_config = hf_config_for(cfg.model, self.vocab_size, self.tokenizer.eod)
+            # the exported vocabulary: model.vocab_size where set (an HF model's, converted
+            # to a Titan checkpoint), else the model's rows; megatron's padding rows beyond it
+            # are not the engines'
+            exported = min(cfg.model.vocab_size or self.vocab_size, self.vocab_size)
+            self.hf_config = hf_config_for(cfg.model, exported, self.tokenizer.eod)
         self._load_policy(self.model)
         #: microbatch ranges of the policy updates on profiled steps (titan_rl.trainer.group)
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
@@ -166,15 +170,19 @@ class PolicyTrainer:
         check_params(self.model, f"{what}: refused", NONFINITE_HINT)
 
     # ---- checkpoints -----------------------------------------------------------------
-    def save(self, step: int, extra: dict[str, Any]) -> None:
+    def save(self, step: int, extra: dict[str, Any], keep_last: int = 2) -> None:
+        """A checkpoint in ``save_dir``; older ones beyond ``keep_last`` are pruned (0: none)."""
         self.check_finite(f"step {step}: checkpoint")
-        self.setup.save(self.save_dir, step, extra, keep_last=2)
+        self.setup.save(self.save_dir, step, extra, keep_last=keep_last)
 
-    def resume(self) -> dict[str, Any] | None:
-        it = latest_iteration(self.save_dir)
+    def resume(self, root: str | Path | None = None) -> dict[str, Any] | None:
+        """Model, optimizer and common state of the newest checkpoint in ``root`` (default
+        ``save_dir``); None where there is none."""
+        root = Path(root) if root is not None else self.save_dir
+        it = latest_iteration(root)
         if it is None:
             return None
-        return self.setup.load(CheckpointSource(self.save_dir, it, resume=True))
+        return self.setup.load(CheckpointSource(root, it, resume=True))
 
     # ---- schedules -------------------------------------------------------------------
     def _local_rows(self, batch: RLBatch) -> RLBatch:

@@ -1,16 +1,32 @@
-"""slime's MUSA bootstrap module ``musa_patch`` (found through ``MUSA_PATCH_PATH``, imported
-once after torch and before megatron-core and SGLang; ``patch_after_import_torch()`` is the
-hook slime's MUSA accelerator calls).
+"""slime's MUSA bootstrap module ``musa_patch`` (found through ``MUSA_PATCH_PATH``; slime at
+624b824a imports it when it selects its ``musa`` backend, before constructing it, and its
+``MUSAAccelerator.post_import_torch()`` would call ``patch_after_import_torch()``).
 
-Importing it applies Titan's start-up answers (:func:`adapters.slime.patch.apply_rl_patch`,
-once per process); calling the hook again changes nothing.
+It does not shadow the vendor's module of the same name: importing it runs
+:func:`adapters.slime.patch.apply_rl_patch` (once per process), which first imports the
+vendor's ``musa_patch`` found elsewhere (``$TITAN_VENDOR_MUSA_PATCH_PATH``, ``sys.path``)
+and calls its ``patch_after_import_torch()``, then adds Titan's answers. Any other name
+read from this module is the vendor's.
 """
 
-from adapters.slime.patch import apply_rl_patch
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.slime.patch import apply_rl_patch, run_vendor_bootstrap, vendor_musa_patch
 
 
 def patch_after_import_torch() -> None:
+    """The vendor's hook (once), then Titan's answers (once)."""
+    run_vendor_bootstrap()
     apply_rl_patch()
+
+
+def __getattr__(name: str) -> Any:
+    vendor = vendor_musa_patch()
+    if vendor is None or name.startswith("__"):
+        raise AttributeError(f"module 'musa_patch' has no attribute {name!r}")
+    return getattr(vendor, name)
 
 
 apply_rl_patch()

@@ -89,10 +89,26 @@ def qwen3_moe_config_for(
     }
 
 
+def qwen3_config_for(
+    model: ModelConfig, vocab_size: int, eos_token_id: int | None = None
+) -> dict[str, Any]:
+    """A transformers ``Qwen3Config`` dict for a dense ``model`` with qk_layernorm (a Llama
+    whose query and key heads are RMS-normalised)."""
+    if model.add_qkv_bias:
+        raise ConfigError("cannot export this model as HF Qwen3: Qwen3 has no qkv bias")
+    dense = llama_config_for(model.model_copy(update={"qk_layernorm": False}), vocab_size,
+                             eos_token_id)  # fmt: skip
+    return {**dense, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "use_sliding_window": False}  # fmt: skip
+
+
 def hf_config_for(
     model: ModelConfig, vocab_size: int, eos_token_id: int | None = None
 ) -> dict[str, Any]:
-    """The HF config to export ``model`` as: Qwen3-MoE when it has experts, else Llama."""
+    """The HF config to export ``model`` as: Qwen3-MoE when it has experts, Qwen3 when its
+    query / key heads are normalised, else Llama."""
     if model.num_moe_experts:
         return qwen3_moe_config_for(model, vocab_size, eos_token_id)
+    if model.qk_layernorm:
+        return qwen3_config_for(model, vocab_size, eos_token_id)
     return llama_config_for(model, vocab_size, eos_token_id)
