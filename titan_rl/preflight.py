@@ -11,10 +11,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-import torch
-
 from titan_core.checkpoint import CheckpointError, latest_iteration
 from titan_core.checkpoint.dist import iteration_dir
+from titan_core.checkpoint.megatron_lm import read_common
 from titan_core.config import ConfigError
 from titan_rl.config import GRPOConfig
 from titan_rl.rewards.config import RewardConfig
@@ -38,9 +37,7 @@ def saved_model_section(load: str | Path) -> dict | None:
     iteration = latest_iteration(load)
     if iteration is None:
         return None
-    common = torch.load(
-        iteration_dir(load, iteration) / "common.pt", map_location="cpu", weights_only=True
-    )
+    common = read_common(iteration_dir(load, iteration) / "common.pt")
     return ((common.get("common") or {}).get("config") or {}).get("model")
 
 

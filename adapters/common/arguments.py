@@ -94,15 +94,22 @@ def parse(framework: str, argv: list[str] | None) -> argparse.Namespace:
     flags = {s.dest: s.name for s in framework_flags(framework)}
     lines: list[str] = []
     for dest in args.titan_given:
-        _check(ap, dest, flags[dest], getattr(args, dest), lines)
+        _check(ap, dest, flags[dest], getattr(args, dest), lines, framework)
     for flag in args.titan_generated_flags:
-        _check(ap, flag.lstrip("-").replace("-", "_"), flag, None, lines)
+        _check(ap, flag.lstrip("-").replace("-", "_"), flag, None, lines, framework)
     args.titan_no_effect = lines
     return args
 
 
-def _check(ap: argparse.ArgumentParser, dest: str, flag: str, value: Any, lines: list[str]) -> None:
-    entry = entry_for(dest, flag)
+def _check(
+    ap: argparse.ArgumentParser,
+    dest: str,
+    flag: str,
+    value: Any,
+    lines: list[str],
+    framework: str | None = None,
+) -> None:
+    entry = entry_for(dest, flag, framework)
     if entry is None:
         ap.error(f"{flag}: not classified by the Titan backend's flag table "
                  "(adapters/common/flag_table.py); drop it or add it there")  # fmt: skip

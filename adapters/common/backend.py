@@ -160,10 +160,28 @@ class TitanBackend:
         step = int(version) if str(version).isdigit() else 0
         return self._sync.sync(self.chunks, step, version=str(version))
 
-    def save_hf(self, path: str | Path) -> None:
-        """An HF directory of the current policy (every rank calls; rank 0 writes)."""
+    def save_hf(self, path: str | Path, assets_from: str | Path | None = None) -> None:
+        """An HF directory of the current policy (every rank calls; rank 0 writes):
+        config.json, model.safetensors and the tokenizer. ``assets_from`` (slime's
+        ``--save-hf``: the ``--hf-checkpoint`` folder): its files that are not weights and
+        that the export did not write (generation config, chat template, model code) are
+        copied in, as slime's HF saver copies them."""
+        import shutil
+
+        import torch.distributed as dist
+
         self._require_awake("an HF export", weights_only=True)
         self.trainer.save_hf(path)
+        out, src = Path(path), Path(assets_from) if assets_from else None
+        if src is None or not src.is_dir() or src.resolve() == out.resolve():
+            return
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        weights = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+        for item in sorted(src.iterdir()):
+            is_weights = item.name.endswith(weights) or item.name.endswith(".index.json")
+            if item.is_file() and not is_weights and not (out / item.name).exists():
+                shutil.copy2(item, out / item.name)
 
     # ---- colocation: the trainer's device memory ------------------------------------------------
     @property
@@ -228,17 +246,29 @@ class TitanBackend:
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, rollout_id: int) -> None:
-        """A checkpoint after rollout ``rollout_id`` in ``--save`` (a resume starts at the
-        next one); none is pruned: slime's and Megatron's ``--save`` keep every one."""
+        """A checkpoint after rollout ``rollout_id`` in ``--save``, numbered as slime's and
+        miles' Megatron actors number theirs: iteration ``rollout_id`` (Megatron-LM's loader
+        resumes them at the next rollout), Titan's ``step`` the next rollout too. None is
+        pruned (slime's and Megatron-LM's ``--save`` keep every one) unless
+        ``--save-retain-interval N``: then, as Megatron-LM does, the previous checkpoint
+        goes unless its iteration is a multiple of N."""
         self._require_awake("a checkpoint")
-        self.trainer.save(rollout_id + 1, {"rollout_id": rollout_id}, keep_last=0)
+        self.trainer.save(
+            rollout_id,
+            # "step" (the first rollout a resume runs) replaces the trainer's own (the iteration)
+            {"rollout_id": rollout_id, "step": rollout_id + 1},
+            keep_last=0,
+            retain_interval=getattr(self.args, "save_retain_interval", None),
+        )
 
     def resume(self) -> int:
-        """The first rollout id to run: after the newest checkpoint in ``--load`` (slime's
-        and Megatron's resume folder; without ``--load``, the run's own save folder, as
-        ``titan_rl.grpo`` resumes), else 0 (a fresh run from ``--ref-load`` / the
-        ``--hf-checkpoint``)."""
-        common = self.trainer.resume(getattr(self.args, "load", None))
+        """The first rollout id to run: after the newest checkpoint of the resume folder
+        (``adapters.common.config.resume_dir``: ``--load``, else ``--save``, when it holds an
+        RL run's checkpoint), else 0 (a fresh run from the policy's start weights)."""
+        from adapters.common.config import resume_dir
+
+        root = resume_dir(self.args)
+        common = self.trainer.resume(root) if root else None
         return int(common["step"]) if common else 0
 
     def shutdown(self) -> None:

@@ -64,14 +64,59 @@ def flag_overrides(args: Any) -> dict[str, tuple[str, Any]]:
         except ValueError as e:
             raise ConfigError(f"{_flag(dest)}: {e}") from None
         if value is not None:
-            out[entry.key] = (_flag(dest), value)
+            out[entry.key] = (_flag(dest) if dest in given else f"{_flag(dest)} (default)", value)
     # --lr without --min-lr: Megatron's min_lr default (0), not a YAML floor above the lr
     if "train.lr" in out and "min_lr" not in given:
         out["train.min_lr"] = ("--min-lr (Megatron's default with --lr)", 0.0)
+    # Megatron-LM turns sequence parallelism off at TP 1 (nothing to split over)
+    tp = out.get("parallel.tensor_model_parallel_size", ("", 1))[1]
+    if tp == 1 and out.get("parallel.sequence_parallel", ("", False))[1]:
+        del out["parallel.sequence_parallel"]
     # Megatron: --num-query-groups counts only with --group-query-attention
     if "num_query_groups" in given and getattr(args, "group_query_attention", False):
         out["model.num_query_groups"] = ("--num-query-groups", args.num_query_groups)
     return out
+
+
+#: the model fields an HF checkpoint fixes (its architecture); the others (dropout, aux-loss
+#: coefficient, dispatcher, ...) are training choices the flags make
+ARCHITECTURE = frozenset(
+    [
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "vocab_size",
+        "normalization",
+        "norm_epsilon",
+        "position_embedding_type",
+        "rotary_base",
+        "swiglu",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "qk_layernorm",
+        "untie_embeddings_and_output_weights",
+        "num_moe_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size",
+        "moe_layer_freq",
+    ]
+)
+
+
+def check_against_hf(hf: Path, model: dict[str, Any], flags: dict[str, tuple[str, Any]]) -> None:
+    """A Megatron model flag that disagrees with the HF checkpoint's architecture: an error
+    naming the flag, its value and the checkpoint's."""
+    for key, (flag, value) in flags.items():
+        field = key.removeprefix("model.")
+        if key.startswith("model.") and field in ARCHITECTURE and not _agree(model[field], value):
+            raise ConfigError(
+                f"{flag} {value} disagrees with --hf-checkpoint {hf}: its config.json gives "
+                f"model.{field}={model[field]!r}; fix the flag or the checkpoint"
+            )
 
 
 def _hf_config(args: Any) -> Path | None:
@@ -102,13 +147,7 @@ def titan_config_from_args(args: Any) -> GRPOConfig:
         from titan_core.models.hf import model_config_from_hf
 
         model = model_config_from_hf(hf).model_dump()
-        for key, (flag, value) in flags.items():
-            field = key.removeprefix("model.")
-            if key.startswith("model.") and field in model and not _agree(model[field], value):
-                raise ConfigError(
-                    f"{flag} {value} disagrees with --hf-checkpoint {hf}: its config.json gives "
-                    f"model.{field}={model[field]!r}; fix the flag or the checkpoint"
-                )
+        check_against_hf(hf, model, flags)
         overrides += [f"model.{k}={_yaml(v)}" for k, v in model.items() if v is not None]
         if (hf / "tokenizer.json").is_file():
             overrides += ["data.tokenizer_type=hf", f"data.tokenizer_model={hf}"]
@@ -116,7 +155,7 @@ def titan_config_from_args(args: Any) -> GRPOConfig:
     overrides += _data(args)
     overrides += _policy(args, hf)
     overrides += list(getattr(args, "titan_overrides", None) or [])
-    named = [f"{flag} -> {key}" for key, (flag, _) in flags.items()]
+    named = [f"{flag} -> {key}" for key, (flag, _) in flags.items() if "(default" not in flag]
     try:
         return load_config(GRPOConfig, path, overrides)
     except ConfigError as e:
@@ -139,8 +178,36 @@ def _data(args: Any) -> list[str]:
     return out
 
 
+def rl_checkpoint(path: str | None) -> bool:
+    """Whether ``path``'s newest checkpoint was written by a slime / miles run on Titan (its
+    common state names the rollout it followed): a resume point. Any other checkpoint (a
+    converted HF model, a pretrained base) is weights to start from, as Megatron-LM treats
+    a release checkpoint."""
+    from titan_core.checkpoint.dist import iteration_dir, latest_iteration
+
+    it = latest_iteration(path) if path else None
+    if it is None:
+        return False
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(path, it)))
+    return "rollout_id" in common or "rollout_id" in (common.get("common") or {})
+
+
+def resume_dir(args: Any) -> str | None:
+    """Where a run resumes from: ``--load`` (slime's and Megatron-LM's resume folder) when
+    its newest checkpoint is an RL run's, else ``--save`` when it holds one (a run restarted
+    with the same command), else None (a fresh run)."""
+    for path in (getattr(args, "load", None), getattr(args, "save", None)):
+        if rl_checkpoint(path):
+            return str(path)
+    return None
+
+
 def _policy(args: Any, hf: Path | None) -> list[str]:
-    """Where the policy's weights come from (the reference model's too)."""
+    """Where the policy's weights (and the reference model's) come from before any resume:
+    ``--ref-load``, else ``--load`` (a checkpoint to start from, or the one resumed), else
+    the ``--hf-checkpoint`` weights, else the YAML's ``policy``."""
     load, ref = getattr(args, "load", None), getattr(args, "ref_load", None)
     if ref:
         if not _has_checkpoint(ref):
@@ -150,7 +217,7 @@ def _policy(args: Any, hf: Path | None) -> list[str]:
                 "adapters.slime.convert_hf_to_torch_dist --hf-checkpoint HF --save DIR"
             )
         return ["policy.format=titan", f"policy.load={Path(ref).resolve()}"]
-    if load and _has_checkpoint(load):
+    if _has_checkpoint(load):
         return ["policy.format=titan", f"policy.load={Path(load).resolve()}"]
     if hf is not None:
         return ["policy.format=hf", f"policy.load={hf.resolve()}"]
@@ -158,6 +225,8 @@ def _policy(args: Any, hf: Path | None) -> list[str]:
 
 
 def _agree(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a == b
     if isinstance(a, float) or isinstance(b, float):
         return float(a) == float(b)
     return a == b

@@ -27,8 +27,9 @@ def prepare(args: Any) -> Any:
     if args.save:
         _check_writable(args.save, "--save")
     cfg = titan_config_from_args(args)
-    cfg = _without_local_sequence_parallel(args, cfg)
+    cfg = _without_local_only_kernels(args, cfg)
     mirror_config(args, cfg)
+    _generated_flags(args, cfg)
     if args.rollout_max_response_len is None:
         args.rollout_max_response_len = cfg.rollout.max_response_len
     if args.rollout_stop_token_ids is None and cfg.data.type == "arithmetic":
@@ -40,22 +41,75 @@ def prepare(args: Any) -> Any:
     return cfg
 
 
-def _without_local_sequence_parallel(args: Any, cfg: Any) -> Any:
-    """``--sequence-parallel`` where the layers are megatron-core's local ones (no Transformer
-    Engine: a CPU machine), whose torch norms cannot split the sequence: the run goes on
-    without it (the same numbers; sequence parallelism only splits activation memory over
-    the TP ranks), said in one start-up line."""
+#: kernel switches a framework's script sets that megatron-core's local layers (no
+#: Transformer Engine: a CPU machine) cannot run, and why the run is the same without them
+_KERNEL_ONLY = {
+    "sequence_parallel": (
+        "parallel",
+        "--sequence-parallel",
+        "megatron-core's local layers (no Transformer Engine here) cannot split the sequence "
+        "over TP ranks; the same step runs without it (it only splits activation memory)",
+    ),
+    "moe_grouped_gemm": (
+        "model",
+        "--moe-grouped-gemm",
+        "no grouped-GEMM kernel here (Transformer Engine or the grouped_gemm package); the "
+        "experts run one GEMM each, the same numbers",
+    ),
+}
+
+
+def _without_local_only_kernels(args: Any, cfg: Any) -> Any:
+    """Where the layers are megatron-core's local ones, the switches of :data:`_KERNEL_ONLY`
+    are turned off for the run, each said in one start-up line."""
+    import importlib.util
+
     from adapters.common.config import titan_config_from_args
     from titan_core.accelerator import get_accelerator
     from titan_core.models.gpt import use_transformer_engine
 
-    if not cfg.parallel.sequence_parallel or use_transformer_engine(cfg, get_accelerator()):
+    if use_transformer_engine(cfg, get_accelerator()):
         return cfg
-    print("no effect here: --sequence-parallel: megatron-core's local layers (no Transformer "
-          "Engine here) cannot split the sequence over TP ranks; the same step runs without "
-          "it", flush=True)  # fmt: skip
-    args.titan_overrides = [*(args.titan_overrides or []), "parallel.sequence_parallel=false"]
+    off = []
+    for field, (section, flag, why) in _KERNEL_ONLY.items():
+        if not getattr(getattr(cfg, section), field):
+            continue
+        if field == "moe_grouped_gemm" and importlib.util.find_spec("grouped_gemm"):
+            continue
+        print(f"no effect here: {flag}: {why}", flush=True)
+        off.append(f"{section}.{field}=false")
+    if not off:
+        return cfg
+    args.titan_overrides = [*(args.titan_overrides or []), *off]
     return titan_config_from_args(args)
+
+
+def _generated_flags(args: Any, cfg: Any) -> None:
+    """``--sglang-*`` / ``--router-*`` (sglang's and sglang-router's own options): kept on
+    ``args`` for the engines' and the router's command lines
+    (``adapters.common.rollout.TitanEngines``), each said in a start-up line where it
+    cannot act (the built-in engine; one engine and so no router)."""
+    from titan_core.accelerator import get_accelerator
+    from titan_rl.actors.config import resolve_backend
+
+    sglang = resolve_backend(cfg.engines.backend, get_accelerator().device_type) == "sglang"
+    engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
+    for flag in getattr(args, "titan_generated_flags", {}):
+        if flag.startswith("--sglang-") and not sglang:
+            print(f"no effect here: {flag}: the built-in engine (CPU) has no such setting; "
+                  "SGLang servers get it as --" + flag.removeprefix("--sglang-"), flush=True)  # fmt: skip
+        elif flag.startswith("--router-") and engines == 1:
+            print(f"no effect here: {flag}: one engine, so no router runs", flush=True)
+
+
+def generated_args(args: Any, prefix: str) -> list[str]:
+    """The ``prefix`` family's flags given, as the sglang / sglang-router command line
+    takes them (``--sglang-mem-fraction-static 0.7`` -> ``--mem-fraction-static 0.7``)."""
+    out: list[str] = []
+    for flag, values in (getattr(args, "titan_generated_flags", None) or {}).items():
+        if flag.startswith(prefix):
+            out += ["--" + flag.removeprefix(prefix), *values]
+    return out
 
 
 def _check_writable(path: str, flag: str) -> None:
@@ -112,6 +166,9 @@ def ray_init(args: Any) -> None:
         kwargs["runtime_env"] = runtime_env()
     if get_accelerator().device_type == "cpu":
         kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
+    # a local Ray's raylet may take longer than Ray's default 10 s to register on a busy
+    # machine (2 cores running the engines' and trainers' start-up); Ray's own setting
+    os.environ.setdefault("RAY_raylet_start_wait_time_s", "60")
     ray.init(**kwargs)
 
 
@@ -134,14 +191,17 @@ def status_line(rec: dict[str, Any], total: int) -> str:
 
 
 def start_policy(args: Any, cfg: Any) -> Path:
-    """The run folder (``--metrics-dir`` or the Titan ``run.dir``), with the policy to start
-    from: the demo's base is pretrained (on the same base) if ``policy.load`` is missing,
+    """The run folder (``--metrics-dir`` or the Titan ``run.dir``; without ``--save``,
+    checkpoints go to ``<run.dir>/checkpoints``), with the policy to start from: the demo's base is pretrained (on the same base) if ``policy.load`` is missing,
     and without ``--hf-checkpoint`` the engines start from the policy itself, which the
     first trainer rank exports to ``<run>/hf_start`` at ``init``."""
     from titan_rl.grpo import ensure_base_checkpoint
 
     run_dir = Path(args.metrics_dir or cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if args.save is None:  # checkpoints and the prompts' position, where a rerun resumes
+        args.save = str((Path(cfg.run.dir) / "checkpoints").resolve())
+        _check_writable(args.save, "run.dir")
     if cfg.policy.format == "titan":
         ensure_base_checkpoint(cfg)
     if args.hf_checkpoint is None:

@@ -77,19 +77,11 @@ def _group(entry: Entry, names: str) -> dict[str, Entry]:
 
 
 def _moe_layer_freq(value: Any) -> int:
-    """Megatron's ``--moe-layer-freq``: an int N (every N-th layer is MoE) or a per-layer
-    list as text (``"[1,1,0,...]"``, ``"([1]*47+[0])"``); Titan's model takes an int."""
-    text = str(value).strip()
-    if text.isdigit():
-        return int(text)
-    import ast
-
-    try:
-        pattern = ast.literal_eval(text.replace("*", " * "))
-    except (ValueError, SyntaxError):
-        pattern = None
-    if not isinstance(pattern, list):
-        raise ValueError(f"{value!r} is neither an int nor a list of 0/1 per layer")
+    """Megatron's ``--moe-layer-freq`` (an int N: every N-th layer is MoE, or a per-layer
+    0/1 list) as Titan's ``model.moe_layer_freq`` (an int)."""
+    if isinstance(value, int):
+        return value
+    pattern = list(value)
     for freq in range(1, len(pattern) + 1):
         if pattern == [1 if i % freq == 0 else 0 for i in range(len(pattern))]:
             return freq
@@ -99,16 +91,14 @@ def _moe_layer_freq(value: Any) -> int:
     )
 
 
-_NOT_RL = "is a Megatron-LM pretraining option that slime's / miles' RL loop does not use"
 _KERNEL = (
     "chooses a fused kernel, not the numbers: Titan leaves kernel fusion to megatron-core's "
     "layer spec (local on CPU, Transformer Engine on GPU)"
 )
-_SGLANG = (
-    "an SGLang server option: passed to sglang.launch_server when the engines are SGLang "
-    "servers (engines.backend=sglang); the built-in engine (CPU) has no such setting"
+_TRACK = (
+    "as in slime / miles: each rollout's record (metrics.jsonl's keys) goes through their own "
+    "tracking code (adapters/common/tracking.py)"
 )
-_TRACK = "tracking is written to <run dir>/metrics.jsonl and reward.png; use those"
 _MILES_FT = (
     "miles' fault-tolerant cells are not run by the Titan backend: a run resumes from --save "
     "after a failure; drop the flag"
@@ -245,7 +235,10 @@ FLAG_TABLE: dict[str, Entry] = {
     "no_load_rng": NoEffect("Titan's trainer draws no random numbers in an RL step"),
     "finetune": Refused("start from --ref-load (a fresh run) instead"),
     "log_interval": NoEffect("one status line and one metrics.jsonl record per rollout"),
-    "tensorboard_dir": Refused(_TRACK),
+    "tensorboard_dir": NoEffect(
+        "Megatron-LM's own TensorBoard writer, which the RL loop does not use; --use-tensorboard "
+        "writes to $TENSORBOARD_DIR, else tensorboard_log/<tb-project-name>/<tb-experiment-name>"
+    ),
     # ---- slime / miles: cluster ------------------------------------------------------------
     "actor_num_nodes": _acts("trainer ranks = nodes x GPUs per node (slime's placement groups)"),
     "actor_num_gpus_per_node": _acts("trainer ranks per node (one Ray actor each)"),
@@ -309,8 +302,16 @@ FLAG_TABLE: dict[str, Entry] = {
         Refused("miles' true on-policy mode is not supported; drop the flag"),
         "true_on_policy_mode recompute_logprobs_via_prefill",
     ),  # fmt: skip
-    "train_memory_margin_bytes": NoEffect(
-        "miles' margin for its own allocator checks; Titan does not reserve one"
+    "train_memory_margin_bytes": _acts(
+        "torch_memory_saver's memory_margin_bytes under --offload-train where torch_memory_saver "
+        "offloads the trainer (CUDA, its LD_PRELOAD hook loaded), as miles sets it; elsewhere "
+        "the trainer's sleep copies its tensors to host memory and no allocator margin exists"
+    ),
+    "ft_components": _acts(
+        "rollout (miles' default): see --use-fault-tolerance",
+        refuse_values=(lambda v: "train" in (v or ()),),
+        refuse_why="miles' fault-tolerant trainer cells are not run by the Titan backend (a run "
+        "resumes from --save after a failure); use --ft-components rollout",
     ),
     **_group(
         Refused("miles' parameter rematerialisation is not supported; drop the flag"),
@@ -335,7 +336,7 @@ FLAG_TABLE: dict[str, Entry] = {
     **_group(
         Refused(_MILES_FT),
         "indep_dp delay_split_train_data_by_dp use_fault_tolerance "
-        "ft_components control_server_port mini_ft_controller_enable "
+        "control_server_port mini_ft_controller_enable "
         "mini_ft_controller_poll_interval mini_ft_controller_resume_delay "
         "low_memory_resume enable_witness witness_buffer_size ci_ft_test_actions",
     ),  # fmt: skip
@@ -501,10 +502,19 @@ FLAG_TABLE: dict[str, Entry] = {
     "save_interval": _acts("save every N rollouts (and after the last)"),
     "async_save": NoEffect("Titan saves synchronously (the tracker is written last)"),
     "no_save_optim": _acts("checkpoints hold parameters only"),
-    "save_hf": Refused("not yet: use python -m titan_rl.export on a --save checkpoint"),
+    "save_hf": _acts(
+        "after each --save checkpoint, an HF snapshot at save_hf.format(rollout_id=...), as "
+        "slime's and miles' Megatron actors write one: config.json, model.safetensors, the "
+        "tokenizer (and --hf-checkpoint's other files that are not weights)"
+    ),
     "save_trigger_sentinel": Refused("Titan saves on SIGTERM / SIGUSR1; drop the flag"),
     "custom_megatron_post_save_hook_path": Refused("save hooks are not run; drop the flag"),
-    "save_retain_interval": NoEffect("Titan keeps every checkpoint (none is pruned)"),
+    "save_retain_interval": _acts(
+        "as Megatron-LM: at each save the checkpoint saved before it is deleted unless its "
+        "iteration (rollout id) is a multiple of N; the newest and the multiples stay",
+        refuse_values=(lambda v: v is not None and v <= 0,),
+        refuse_why="a positive interval is needed (Megatron-LM divides by it)",
+    ),
     # ---- algorithm ---------------------------------------------------------------------
     "advantage_estimator": _key(
         "algo.advantage_estimator",
@@ -578,7 +588,7 @@ FLAG_TABLE: dict[str, Entry] = {
         "multi_lora_adapters multi_lora_idle_poll_s multi_lora_http_server_path "
         "multi_lora_backend_path multi_lora_api_port multi_lora_service_mode "
         "multi_lora_max_adapter_global_batch_size multi_lora_max_coalesce_wait_s "
-        "multi_lora_max_empty_wait_s multi_lora_adapter sglang_lora_use_virtual_experts "
+        "multi_lora_max_empty_wait_s sglang_lora_use_virtual_experts "
         "check_lora_weight_equal",
     ),  # fmt: skip
     # ---- router, tracking, debugging ---------------------------------------------------------
@@ -593,14 +603,32 @@ FLAG_TABLE: dict[str, Entry] = {
         "sglang_router_request_timeout_secs",
     ),  # fmt: skip
     **_group(
-        Refused(_TRACK),
-        "use_wandb wandb_mode wandb_dir wandb_key wandb_host wandb_team "
-        "wandb_group wandb_project wandb_random_suffix wandb_always_use_train_step "
-        "wandb_run_id use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name "
-        "mlflow_run_id use_tensorboard tb_project_name tb_experiment_name use_prometheus "
-        "prometheus_port prometheus_run_name use_miles_dashboard dashboard_flush_interval "
-        "dashboard_gpu_sample_interval dashboard_sglang_scrape_interval "
-        "dashboard_sglang_scrape_mode dashboard_sglang_metrics "
+        _acts(_TRACK),
+        "use_wandb wandb_mode wandb_dir wandb_key wandb_host wandb_team wandb_project "
+        "wandb_random_suffix use_mlflow mlflow_tracking_uri mlflow_experiment_name "
+        "mlflow_run_name use_tensorboard tb_project_name tb_experiment_name use_prometheus "
+        "prometheus_port prometheus_run_name",
+    ),  # fmt: skip
+    "wandb_group": _acts(_TRACK + "; default: the run folder's name"),
+    "wandb_always_use_train_step": _acts(
+        "rollout/step and eval/step are slime's train step (rollout id x samples per rollout "
+        "/ --global-batch-size), as in slime"
+    ),
+    **_group(
+        NoEffect(
+            "set by the driver's tracker (slime's / miles' primary) for processes that join its "
+            "run; none does here, and a given value is replaced, as in slime / miles"
+        ),
+        "wandb_run_id mlflow_run_id",
+    ),
+    **_group(
+        Refused(
+            "miles' dashboard is fed by hooks in miles' rollout manager, router and Megatron "
+            "train actors and by SGLang servers' /metrics, which the Titan backend replaces; "
+            "use --use-prometheus, --use-wandb or --use-tensorboard"
+        ),
+        "use_miles_dashboard dashboard_flush_interval dashboard_gpu_sample_interval "
+        "dashboard_sglang_scrape_interval dashboard_sglang_scrape_mode dashboard_sglang_metrics "
         "dashboard_forward_prometheus",
     ),  # fmt: skip
     **_group(
@@ -676,16 +704,42 @@ FLAG_TABLE: dict[str, Entry] = {
 #: flag families generated from packages absent here (sglang's ServerArgs, sglang-router's
 #: RouterArgs), matched by prefix: see :mod:`adapters.common.peer_flags`
 FAMILIES: dict[str, Entry] = {
-    "--sglang-": NoEffect(_SGLANG),
-    "--router-": NoEffect(
-        "an sglang-router option: Titan's engines are reached directly (one router per run "
-        "where engines.router=true, with its defaults)"
+    "--sglang-": _acts(
+        "passed to sglang.launch_server as --<name> where the engines are SGLang servers; "
+        "on the built-in engine (CPU) a start-up line names it: no such setting there"
+    ),
+    "--router-": _acts(
+        "passed to sglang-router as --<name> where a run has a router (more than one "
+        "engine); with one engine a start-up line names it: no router runs"
     ),
 }
 
 
-def entry_for(dest: str, flag: str) -> Entry | None:
-    """The class of one flag: its row in :data:`FLAG_TABLE`, else its family's, else None."""
+#: rows of one framework's driver that differ from :data:`FLAG_TABLE` (a flag both declare
+#: that only that driver acts on); the other framework's driver keeps the shared row
+FRAMEWORK_ROWS: dict[str, dict[str, Entry]] = {
+    "miles": {
+        "use_fault_tolerance": _acts(
+            "rollout fault tolerance (miles' default --ft-components rollout): a dead engine is "
+            "restarted by its supervisor (titan_rl.actors) and, before the next weight update, "
+            "reported new by the rollout manager (miles' recover_updatable_engines), so the "
+            "update reconnects and sends it the current weights"
+        ),
+        "dump_details": _acts(
+            "miles' dumps under the folder, by miles' own functions: rollout_data/<id>.pt with "
+            "trajectory/ and dashboard_columns/ per rollout and evaluation, "
+            "train_data/<id>_<rank>.pt per trainer rank, events/, the tokenizer"
+        ),
+    },
+}
+
+
+def entry_for(dest: str, flag: str, framework: str | None = None) -> Entry | None:
+    """The class of one flag: ``framework``'s own row (:data:`FRAMEWORK_ROWS`), else its row
+    in :data:`FLAG_TABLE`, else its family's, else None."""
+    own = FRAMEWORK_ROWS.get(framework or "", {})
+    if dest in own:
+        return own[dest]
     if dest in FLAG_TABLE:
         return FLAG_TABLE[dest]
     for prefix, entry in FAMILIES.items():

@@ -87,7 +87,7 @@ MEGATRON_FLAGS: tuple[FlagSpec, ...] = (
         _E,
         choices=("allgather", "alltoall", "flex"),
     ),  # fmt: skip
-    _flag("--moe-layer-freq", "str", "1", _E),
+    _flag("--moe-layer-freq", "moe_freq", 1, _E),
     _true("--moe-grouped-gemm", _E),
     _flag("--moe-token-drop-policy", "str", "probs", _E, choices=("probs", "position")),
     _flag("--moe-router-dtype", "str", None, _E, choices=("fp32", "fp64")),

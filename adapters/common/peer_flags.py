@@ -97,7 +97,33 @@ def _json(text: str) -> Any:
     return json.loads(text) if isinstance(text, str) else text
 
 
-_TYPES: dict[str, Any] = {"int": int, "float": float, "str": str, "json": _json}
+def _moe_freq(text: str) -> Any:
+    """Megatron-LM's ``--moe-layer-freq``: an int, or a Python list expression of 0/1 per
+    layer (``"[1,1,0]"``, ``"([1]*3+[0])"``), as its own ``moe_freq_type`` reads it."""
+    if not isinstance(text, str):
+        return text
+    if text.strip().isdigit():
+        return int(text)
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        node = ast.parse(text, mode="eval").body  # list arithmetic: [1]*3+[0]
+        value = _list_arith(node)
+    if not isinstance(value, int | list):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an int nor a list of 0/1")
+    return value
+
+
+def _list_arith(node: ast.AST) -> Any:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add | ast.Mult):
+        left, right = _list_arith(node.left), _list_arith(node.right)
+        return left + right if isinstance(node.op, ast.Add) else left * right
+    return ast.literal_eval(node)
+
+
+_TYPES: dict[str, Any] = {
+    "int": int, "float": float, "str": str, "json": _json, "moe_freq": _moe_freq,
+}  # fmt: skip
 
 
 def _literal(node: ast.AST | None) -> Any:

@@ -148,10 +148,18 @@ class TitanEngines:
         ``model_path`` with its tokenizer, as slime's and miles' SGLang servers load
         ``--hf-checkpoint`` (``--rollout-stop`` texts need it); returns (their URLs, the URL
         generation goes to: the router, or the only engine)."""
-        from titan_rl.actors.config import EngineServerConfig, RolloutEnginesConfig, RouterConfig
+        from adapters.common.driver import generated_args
+        from titan_core.accelerator import get_accelerator
+        from titan_rl.actors.config import (
+            EngineServerConfig,
+            RolloutEnginesConfig,
+            RouterConfig,
+            resolve_backend,
+        )
         from titan_rl.actors.engine_actor import RolloutEngineGroup
 
         args, e = self.args, self.cfg.engines
+        sglang = resolve_backend(e.backend, get_accelerator().device_type) == "sglang"
         per_engine = args.rollout_num_gpus_per_engine
         n = max(1, args.rollout_num_gpus // per_engine)
         group = RolloutEngineGroup.from_config(
@@ -161,8 +169,9 @@ class TitanEngines:
                     model_path=model_path, backend=e.backend, tp_size=per_engine,
                     mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
                     api_key=e.api_key, num_threads=e.num_threads,
+                    extra_args=generated_args(args, "--sglang-") if sglang else [],
                 ),
-                router=RouterConfig(enabled=n > 1),
+                router=RouterConfig(enabled=n > 1, extra_args=generated_args(args, "--router-")),
             ),
             self._placements(n, per_engine),
         )  # fmt: skip

@@ -9,7 +9,8 @@ goes through ``titan_core.accelerator``, so the same actor runs on CUDA, MUSA an
 What runs of miles' own code here: ``TrainRayActor.__init__`` (rendezvous environment,
 logger, miles' object store), ``init_gloo_group``, ``set_rollout_manager``, the heartbeat,
 miles' object store and DP-split functions for the rollout data
-(``adapters.miles.train_data``), ``TrainStepOutcome`` and the HF-export completion marker.
+(``adapters.miles.train_data``), ``TrainStepOutcome``, the HF-export completion marker and,
+under ``--dump-details``, miles' train-data dump (``save_debug_train_data_for_rank``).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         self.with_ref, self.with_opd_teacher = with_ref, with_opd_teacher
         self._init_process_group(args)
         self.backend = TitanBackend(args, world_size=self._world_size, with_ref=with_ref)
+        _set_memory_margin(args, self.backend)
         self._heartbeat.bump()
         start = self.backend.resume()
         if getattr(args, "offload_train", False):  # as miles' Megatron actor
@@ -146,6 +148,7 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
             data = with_step_schedule(self.args, data, par["dp_size"])
             self.wake_up()
             metrics = self.backend.train(data)
+            _dump_train_data(self.args, rollout_id, data)
         self.metrics = {"rollout_id": float(rollout_id), **metrics}
         self._heartbeat.bump()
         outcome = import_peer("miles.backends.megatron_utils.ft.types").TrainStepOutcome
@@ -262,3 +265,27 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         if self.backend is not None:
             self.backend.shutdown()
             self.backend = None
+
+
+def _set_memory_margin(args: Any, backend: TitanBackend) -> None:
+    """``--train-memory-margin-bytes``, as miles' Megatron actor sets it: torch_memory_saver's
+    ``memory_margin_bytes`` under ``--offload-train``, where torch_memory_saver offloads the
+    trainer (elsewhere the trainer's sleep copies tensors to host memory: no margin)."""
+    margin = int(getattr(args, "train_memory_margin_bytes", 0) or 0)
+    saver = backend.memory.saver
+    if getattr(args, "offload_train", False) and margin > 0 and saver is not None:
+        saver.tms.memory_margin_bytes = margin
+
+
+def _dump_train_data(args: Any, rollout_id: int, data: dict[str, Any]) -> None:
+    """miles' train-data dump (``--dump-details``: ``train_data/<id>_<rank>.pt``): this
+    rank's rollout data as it trained on it, by miles' own writer."""
+    if getattr(args, "save_debug_train_data", None) is None:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    import_peer("miles.utils.train_dump_utils").save_debug_train_data_for_rank(
+        args, rollout_id=rollout_id, rollout_data=data, rank=dist.get_rank(),
+        cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+    )  # fmt: skip

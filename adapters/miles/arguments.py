@@ -12,11 +12,17 @@ the Titan YAML's data section).
 Weight transfer: miles' ``--colocate`` (tensor update) and ``--update-weight-transfer-mode``
 (``broadcast`` / ``p2p`` / ``disk-delta``), when given, choose Titan's ``sync.transport``
 (``tensor`` / ``distributed`` / ``mooncake`` / ``disk``); otherwise the YAML's ``sync`` holds.
+
+What miles' own validation derives is derived here by the same rules: ``--use-fault-tolerance``
+without ``--ft-components`` is its ``rollout`` component; ``--dump-details DIR`` names the
+dump paths miles' functions write (``save_debug_rollout_data``, ``save_debug_train_data``,
+``save_debug_trajectory_data``, ``save_debug_event_data``).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from adapters.common.arguments import build_parser as _build_parser
 from adapters.common.arguments import finish, parse
@@ -51,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "or --custom-rm-path to score the rollouts"
         )
     args = finish(ap, args)
+    derive_miles_rules(args)
     if args.rollout_external and not args.rollout_external_engine_addrs:
         ap.error("--rollout-external needs --rollout-external-engine-addrs host:port ...")
     mode = args.update_weight_transfer_mode if "update_weight_transfer_mode" in given else None
@@ -64,3 +71,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 ap.error("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir")
             args.titan_overrides.append(f"sync.disk.dir={args.update_weight_disk_dir}")
     return args
+
+
+def derive_miles_rules(args: argparse.Namespace) -> None:
+    """miles' derivations (``miles.utils.arguments``, which cannot be imported here) of the
+    fault-tolerance components and the ``--dump-details`` paths."""
+    if not args.use_fault_tolerance:
+        args.ft_components = []
+    elif args.ft_components is None:
+        args.ft_components = ["rollout"]
+    if args.dump_details is not None:
+        d = args.dump_details = str(Path(args.dump_details).resolve())  # Ray workers move
+        args.save_debug_rollout_data = f"{d}/rollout_data/{{rollout_id}}.pt"
+        args.save_debug_train_data = f"{d}/train_data/{{rollout_id}}_{{rank}}.pt"
+        args.save_debug_trajectory_data = f"{d}/trajectory/{{rollout_id}}.jsonl"
+        args.save_debug_event_data = f"{d}/events"

@@ -8,8 +8,11 @@ miles' output attributes (``samples`` and ``metrics``; ``data`` and ``metrics`` 
 evaluation). Each sample is generated with miles' own request and response code
 (``miles.rollout.generate_utils.generate_endpoint_utils``: ``compute_request_payload``,
 ``update_sample_from_response``), posted to ``args.sglang_router_ip:port`` by Titan's
-``SGLangClient``, and scored by ``--custom-rm-path`` (``adapters.slime.rewards.exact_match``
-and ``.math_verify`` score miles' ``Sample`` as they score slime's).
+``SGLangClient``, and scored by miles' reward hub (``--rm-type``, or ``--custom-rm-path``:
+``adapters.slime.rewards.exact_match`` and ``.math_verify`` score miles' ``Sample`` as they
+score slime's). Evaluations run the ``--eval-prompt-data NAME PATH`` sets
+(``--n-samples-per-eval-prompt`` responses per prompt; ``eval/NAME`` is a set's mean reward),
+else the data source's ``eval_samples()``.
 """
 
 from __future__ import annotations
@@ -58,17 +61,65 @@ async def generate(args: Any, sample: Any, params: dict[str, Any]) -> Any:
     return sample
 
 
+def eval_groups(args: Any) -> tuple[list[list[Any]], list[str]] | None:
+    """``--eval-prompt-data NAME PATH ...`` as groups of ``--n-samples-per-eval-prompt``
+    samples, with each group's set name; None without the flag. The rows are read as the
+    training prompts are (``adapters.common.prompt_source``: miles' ``Dataset`` imports
+    sglang): ``--eval-input-key`` / ``--eval-label-key``, else the rollout's keys, and the
+    chat template as for training."""
+    from adapters.common.config import titan_config_from_args
+    from titan_rl.data import load_file_prompts
+
+    pairs = list(args.eval_prompt_data or [])
+    if not pairs:
+        return None
+    base = titan_config_from_args(args).data
+    groups: list[list[Any]] = []
+    names: list[str] = []
+    index = 0
+    for name, path in zip(pairs[::2], pairs[1::2], strict=True):
+        cfg = base.model_copy(update={
+            "type": "parquet" if str(path).endswith(".parquet") else "jsonl", "path": path,
+            "prompt_key": args.eval_input_key or args.input_key,
+            "label_key": args.eval_label_key or args.label_key,
+            "apply_chat_template": bool(args.apply_chat_template),
+        })  # fmt: skip
+        for p in load_file_prompts(path, cfg, f"--eval-prompt-data {name}").prompts:
+            group = []
+            for _ in range(args.n_samples_per_eval_prompt):
+                group.append(_types.Sample(
+                    index=index, prompt=p.text, label=p.label, metadata=dict(p.metadata)
+                ))  # fmt: skip
+                index += 1
+            groups.append(group)
+            names.append(name)
+    return groups, names
+
+
 def generate_rollout(
     args: Any, rollout_id: int, data_source: Any, evaluation: bool = False
 ) -> SimpleNamespace:
     """One rollout's sample groups (``samples``, ``metrics``), or with ``evaluation`` the
-    source's ``eval_samples()`` at ``--eval-temperature`` (``data``, ``metrics``)."""
+    eval sets (:func:`eval_groups`, else the source's ``eval_samples()``) at the
+    ``--eval-*`` sampling settings (``data``, ``metrics``)."""
     hub = import_peer("miles.rollout.rm_hub")
     rm = hub.batched_async_rm if args.group_rm else hub.async_rm
-    groups = rollout_groups(args, data_source, evaluation, generate, rm)
+    named = eval_groups(args) if evaluation else None
+    groups = rollout_groups(
+        args, data_source, evaluation, generate, rm, eval_groups=named[0] if named else None
+    )
     flat = [s for g in groups for s in g]
     metrics = summary(args, flat, evaluation, _types.Sample.Status.TRUNCATED)
-    if evaluation:
+    if not evaluation:
+        return SimpleNamespace(samples=groups, metrics=metrics)
+    if named is None:
         data = {"eval": {"rewards": [s.reward for s in flat], "samples": flat}}
         return SimpleNamespace(data=data, metrics=metrics)
-    return SimpleNamespace(samples=groups, metrics=metrics)
+    data = {}
+    for group, name in zip(groups, named[1], strict=True):
+        entry = data.setdefault(name, {"rewards": [], "samples": []})
+        entry["rewards"] += [s.get_reward_value(args) for s in group]
+        entry["samples"] += group
+    for name, entry in data.items():
+        metrics[f"eval/{name}"] = sum(map(float, entry["rewards"])) / len(entry["rewards"])
+    return SimpleNamespace(data=data, metrics=metrics)

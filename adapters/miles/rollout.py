@@ -17,6 +17,12 @@ honoured) and ``split_train_data_by_dp`` into miles' object store (its DP / micr
 schedule from the trainer's ``train_parallel_config``). Hooks are loaded with miles'
 ``load_function``.
 
+miles' debug dumps (``--dump-details``) are written by miles' own functions
+(``miles.ray.rollout.debug_data``) at the points miles' manager writes them.
+``--use-fault-tolerance`` (miles' ``rollout`` component): Titan's engine supervisor restarts
+a dead engine; :meth:`TitanRolloutManager.recover_updatable_engines` reports it new before
+the next weight update.
+
 ``EnginesAndLock`` is defined only in the sglang-importing module above; no other miles
 module exposes it. :func:`engines_and_lock` answers miles' class where that module imports
 (sglang installed), else an object with the same five fields built from miles' own parts
@@ -26,6 +32,7 @@ module exposes it. :func:`engines_and_lock` answers miles' class where that modu
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -33,6 +40,7 @@ from adapters.common.rollout import TitanEngines
 from adapters.peers import PeerImportError, import_peer
 
 _misc = import_peer("miles.utils.misc")
+_debug_data = import_peer("miles.ray.rollout.debug_data")
 _object_store = import_peer("miles.utils.object_store")
 _ray_utils = import_peer("miles.ray.utils")
 _rollout_conv = import_peer("miles.ray.rollout.rollout_data_conversion")
@@ -90,6 +98,8 @@ class TitanRolloutManager(TitanEngines):
         self.lock = _ray_utils.Lock.options(num_cpus=0).remote()
         self.weight_version: int | None = None
         self.has_new_engines = False
+        #: engine restarts by their supervisors already reported (recover_updatable_engines)
+        self.restarts_seen = 0
 
     # ---- engines ------------------------------------------------------------------------------
     def start_engines(self, model_path: str) -> list[str]:
@@ -104,6 +114,7 @@ class TitanRolloutManager(TitanEngines):
             urls, url = self.start_titan_engines(model_path)
         self.serve(urls, url)
         self.has_new_engines = True
+        _dump_tokenizer(args, model_path)
         return urls
 
     def get_router_address(self) -> tuple[str, int]:
@@ -118,7 +129,25 @@ class TitanRolloutManager(TitanEngines):
         self.has_new_engines = False
 
     def recover_updatable_engines(self) -> None:
-        """miles restarts dead engines here (fault tolerance); Titan's engines are not."""
+        """miles' rollout fault tolerance (``--use-fault-tolerance``: miles' group calls this
+        before each weight update). Titan's supervisor has restarted a dead engine already
+        (at its URL, on the start-up weights); one restarted since the last call makes
+        ``has_new_engines`` true, so the update reconnects and sends it the current
+        weights. An engine whose supervisor gave up restarting it is an error naming it;
+        external engines (``--rollout-external``) are not restarted by this run."""
+        group = self.engine_group
+        if group is None:
+            return
+        lost = group.gave_up()
+        if lost:
+            raise RuntimeError(
+                f"rollout engines {lost} died and their supervisors stopped restarting them "
+                "(max_restarts); the run resumes from --save when restarted"
+            )
+        restarts = group.restarts()
+        if restarts != self.restarts_seen:
+            self.restarts_seen = restarts
+            self.has_new_engines = True
 
     def health_monitoring_pause(self) -> None:
         """miles pauses its engine health monitors around a weight update; none run here."""
@@ -148,6 +177,9 @@ class TitanRolloutManager(TitanEngines):
         data, metadata = _rollout_conv.postprocess_rollout_data(
             self.args, samples, train_parallel_config=self.train_parallel_config
         )
+        _debug_data.save_debug_rollout_data(
+            self.args, data, rollout_id=rollout_id, evaluation=False, metadata=metadata
+        )
         train_data = _train_conv.convert_samples_to_train_data(
             self.args,
             data,
@@ -167,8 +199,26 @@ class TitanRolloutManager(TitanEngines):
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         out = self.eval_generate_rollout(self.args, rollout_id, self.data_source, evaluation=True)
+        if getattr(out, "data", None) is not None:
+            _debug_data.save_debug_rollout_data(
+                self.args, out.data, rollout_id=rollout_id, evaluation=True
+            )
         return dict(getattr(out, "metrics", None) or {})
 
     def save(self, rollout_id: int) -> None:
         if self.args.rollout_global_dataset:
             self.data_source.save(rollout_id)
+
+
+def _dump_tokenizer(args: Any, model_path: str) -> None:
+    """``--dump-details``: the tokenizer beside the dumps, as miles' data source saves it."""
+    if getattr(args, "dump_details", None) is None or not Path(model_path).is_dir():
+        return
+    if not any(
+        (Path(model_path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        return
+    tok = import_peer("miles.utils.processing_utils").load_tokenizer(
+        model_path, chat_template_path=args.chat_template_path, trust_remote_code=True
+    )
+    tok.save_pretrained(Path(args.dump_details) / "tokenizer")

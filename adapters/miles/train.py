@@ -203,6 +203,7 @@ async def build_trainer_group(
 async def train(args: Any) -> int:
     import ray
 
+    from adapters.common.tracking import Tracking
     from adapters.miles.rollout import TitanRolloutManager
     from adapters.peers import import_peer
     from titan_core.training.metrics import MetricsWriter
@@ -210,6 +211,7 @@ async def train(args: Any) -> int:
     check_supported(args)
     run_dir = start_policy(args, prepare(args))
     ray_init(args)
+    tracking = Tracking(args, "miles", run_dir)  # miles' wandb / TensorBoard / MLflow / Prometheus
     import_peer("miles.utils.object_store").init_instance(args, contribute_segment=False)
     pgs = create_placement_groups(args)
     manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
@@ -220,10 +222,12 @@ async def train(args: Any) -> int:
         await manager.start_engines.remote(args.hf_checkpoint)
         await group.update_weights()  # miles' first step: the engines serve the policy
         start, total = args.start_rollout_id, args.num_rollout
-        writer = MetricsWriter(run_dir / "metrics.jsonl")
-        if start == 0 and args.eval_interval is not None:
+        # a resumed run drops the records of rollouts after its checkpoint (run again)
+        writer = MetricsWriter(run_dir / "metrics.jsonl", truncate_after=start)
+        if start == 0 and args.eval_interval is not None and not args.skip_eval_before_train:
             ev = await manager.eval.remote(0)
             writer.write({"step": 0, **ev})
+            tracking.log({"step": 0, **ev})
             print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
         last = time.perf_counter()
         for rollout_id in range(start, total):
@@ -256,6 +260,7 @@ async def train(args: Any) -> int:
             })  # fmt: skip
             last = t5
             writer.write(rec)
+            tracking.log(rec)
             print(status_line(rec, total), flush=True)
         if total > start:
             await group.save_model(total - 1, force_sync=True)
@@ -266,6 +271,7 @@ async def train(args: Any) -> int:
     finally:
         if writer is not None:
             writer.close()
+        tracking.finish()
         # the ranks leave their process groups before Ray ends their processes
         await asyncio.gather(*(a.shutdown.remote() for a in actors))
         await manager.dispose.remote()

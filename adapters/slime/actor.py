@@ -75,8 +75,26 @@ class TitanTrainActor(_train_actor.TrainRayActor):
         return self.metrics
 
     def save_model(self, rollout_id: int, force_sync: bool = False) -> None:
+        """A Titan checkpoint in ``--save`` (megatron-core torch_dist, Megatron-LM's layout:
+        ``TitanBackend.save``), then, with ``--save-hf``, an HF snapshot at
+        ``save_hf.format(rollout_id=rollout_id)`` as slime's Megatron actor writes one: the
+        policy's config.json, model.safetensors and tokenizer, and the other files of
+        ``--hf-checkpoint`` (e.g. its generation config). A sleeping trainer is on the
+        device for these, then asleep again."""
         with self.backend.awake():  # asleep: back on the device for the save, then asleep
             self.backend.save(rollout_id)
+        save_hf = getattr(self.args, "save_hf", None)
+        if not save_hf:
+            return
+        out = Path(save_hf.format(rollout_id=rollout_id))
+        hf = getattr(self.args, "hf_checkpoint", None)
+        if hf and Path(hf).resolve() == out.resolve():  # as slime's HF saver refuses it
+            raise ValueError(
+                f"--save-hf {save_hf} names the --hf-checkpoint folder {hf}: the export would "
+                "overwrite the model the run started from; give --save-hf another folder"
+            )
+        with self.backend.awake(weights_only=True):
+            self.backend.save_hf(out, assets_from=hf)
 
     def update_weights(self) -> dict[str, float]:
         """The new weights to the rollout engines, as slime's ``--update-weight-transport``

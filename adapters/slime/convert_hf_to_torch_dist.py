@@ -3,9 +3,10 @@
 slime's ``tools/convert_hf_to_torch_dist.py`` for the Titan backend, with its command line:
 Megatron-LM's model flags (as slime's ``scripts/models/*.sh`` give them), ``--hf-checkpoint``
 and ``--save``. It reads the HF checkpoint into Titan's megatron-core model (Titan's HF
-mapping, ``titan_core.models.hf``) and writes a megatron-core ``torch_dist`` checkpoint in
-Megatron-LM's layout (``iter_0000000/`` and ``latest_checkpointed_iteration.txt``), which a
-slime run on Titan reads with ``--ref-load`` (and ``--load`` on its first run). The model
+mapping, ``titan_core.models.hf``) and writes a megatron-core ``torch_dist`` checkpoint laid
+out as slime's tool lays it (``release/`` and ``latest_checkpointed_iteration.txt`` holding
+``release``: weights to start from, read by Megatron-LM as iteration 0), which a slime run on
+Titan reads with ``--ref-load``. The model
 flags are checked against the HF ``config.json``: a disagreement is an error naming both.
 The checkpoint is saved with global shapes, so it loads at any TP / PP / EP layout; the
 parallel sizes given here do not change what is written.
@@ -65,8 +66,8 @@ def convert(args: Any) -> Path:
     write the torch_dist checkpoint to ``--save``; returns the iteration folder."""
     import torch.distributed as dist
 
-    from adapters.common.config import flag_overrides
-    from titan_core.checkpoint.dist import save_checkpoint
+    from adapters.common.config import check_against_hf, flag_overrides
+    from titan_core.checkpoint.dist import RELEASE, save_checkpoint
     from titan_core.models.hf import model_config_from_hf
     from titan_rl.config import GRPOConfig
     from titan_rl.trainer.policy import PolicyTrainer
@@ -75,15 +76,7 @@ def convert(args: Any) -> Path:
     if not (hf / "config.json").is_file():
         raise ConfigError(f"--hf-checkpoint {hf} has no config.json; give an HF model directory")
     model = model_config_from_hf(hf).model_dump()
-    for key, (flag, value) in flag_overrides(args).items():
-        field = key.removeprefix("model.")
-        if key.startswith("model.") and field in model and model[field] != value:
-            if isinstance(value, float) and float(model[field]) == value:
-                continue
-            raise ConfigError(
-                f"{flag} {value} disagrees with --hf-checkpoint {hf}: its config.json gives "
-                f"model.{field}={model[field]!r}; fix the flag or the checkpoint"
-            )
+    check_against_hf(hf, model, flag_overrides(args))
     cfg = GRPOConfig.model_validate({
         "policy": {"format": "hf", "load": str(hf.resolve())},
         "model": {k: v for k, v in model.items() if v is not None},
@@ -94,7 +87,7 @@ def convert(args: Any) -> Path:
     trainer = PolicyTrainer(cfg, world_size=1)
     try:
         path = save_checkpoint(
-            args.save, 0, trainer.model, None,
+            args.save, RELEASE, trainer.model, None,
             {"step": 0, "source": f"hf:{hf.resolve()}"},
         )  # fmt: skip
     finally:

@@ -41,6 +41,7 @@ from titan_core.config import ConfigError
 def train(args: Any) -> int:
     import ray
 
+    from adapters.common.tracking import Tracking
     from adapters.peers import import_peer
     from adapters.slime.accelerator import register
     from adapters.slime.actor import TitanTrainActor
@@ -52,6 +53,7 @@ def train(args: Any) -> int:
     offload_train = colocated_offload(args)
     register()
     ray_init(args)
+    tracking = Tracking(args, "slime", run_dir)  # slime's wandb / TensorBoard, as its flags say
     pgs = placement.create_placement_groups(args)
     manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
     writer = None
@@ -73,6 +75,7 @@ def train(args: Any) -> int:
         if start == 0 and args.eval_interval is not None and not args.skip_eval_before_train:
             ev = ray.get(manager.eval.remote(0))
             writer.write({"step": 0, **ev})
+            tracking.log({"step": 0, **ev})
             print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
         last = time.perf_counter()
         for rollout_id in range(start, args.num_rollout):
@@ -95,10 +98,11 @@ def train(args: Any) -> int:
             synced = actor_model.update_weights()
             if args.offload_rollout:
                 ray.get(manager.onload_kv.remote())
-            if offload_train:
-                actor_model.offload()
+            slept = actor_model.offload() if offload_train else None
             t4 = time.perf_counter()
             rec: dict[str, Any] = {"step": rollout_id + 1, **rollout_metrics, **train_metrics}
+            if slept and isinstance(slept[0], dict):  # memory/device_bytes_*_sleep
+                rec.update(slept[0])
             if isinstance(synced, list) and synced and isinstance(synced[0], dict):
                 rec.update(synced[0])
             if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
@@ -110,6 +114,7 @@ def train(args: Any) -> int:
             })  # fmt: skip
             last = t5
             writer.write(rec)
+            tracking.log(rec)
             print(status_line(rec, args.num_rollout), flush=True)
         if args.num_rollout > start:
             if offload_train:
@@ -122,6 +127,7 @@ def train(args: Any) -> int:
     finally:
         if writer is not None:
             writer.close()
+        tracking.finish()
         ray.get(manager.dispose.remote())
         ray.shutdown()
     return 0

@@ -330,7 +330,8 @@ def test_delayed_split_and_local_schedule(miles_job: tuple[Any, Any, Any, list[A
 @pytest.mark.slow
 def test_driver_runs_miles_loop(tiny_model: Path, tmp_path: Path) -> None:
     """``python -m adapters.miles.train``: miles' loop with Titan's ranks and a built-in
-    engine the rollout manager starts; two rollouts, each synced at parity."""
+    engine the rollout manager starts; two rollouts, each synced at parity; the records also
+    in miles' TensorBoard (``--use-tensorboard``), at miles' steps (the rollout's id)."""
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "adapters.miles.train",
@@ -339,8 +340,10 @@ def test_driver_runs_miles_loop(tiny_model: Path, tmp_path: Path) -> None:
         "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
         "--hf-checkpoint", str(tiny_model), "--save", str(tmp_path / "ckpt"),
         "--custom-rm-path", "adapters.slime.rewards.exact_match", "--eval-interval", "2",
+        "--use-tensorboard",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               TENSORBOARD_DIR=str(tmp_path / "tb"))  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -350,3 +353,10 @@ def test_driver_runs_miles_loop(tiny_model: Path, tmp_path: Path) -> None:
         assert r["sync/logprob_abs_diff_max"] < 1e-4, r
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
     assert (run / "reward.png").is_file() and (tmp_path / "ckpt").is_dir()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    for key, steps in (("reward/mean", [1, 2]), ("eval/accuracy", [0, 2])):
+        got = [(e.step, e.value) for e in tb.Scalars(key)]
+        assert got == [(max(s - 1, 0), pytest.approx(rows[s][key])) for s in steps], key

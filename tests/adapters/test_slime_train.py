@@ -1,8 +1,8 @@
 """A slime-driven RL run on CPU learns: ``python -m adapters.slime.train`` (slime's placement
 groups, RayTrainGroup, hooks, DP schedule; Titan's trainer and built-in engine) from the
 demo's base on the arithmetic task, held-out accuracy up by 10 points within 30 rollouts (measured
-+16.6 points at 20: 0.386 -> 0.552);
-then the same command resumes after its last checkpoint."""
++16.6 points at 20: 0.386 -> 0.552), its records also in slime's TensorBoard
+(``--use-tensorboard``); then the same command resumes after its last checkpoint."""
 
 from __future__ import annotations
 
@@ -37,9 +37,12 @@ def _slime_train(
     return proc
 
 
-def test_slime_driven_run_learns_and_resumes(tmp_path, base):
+def test_slime_driven_run_learns_and_resumes(tmp_path, base, monkeypatch):
     run = tmp_path / "slime"
-    proc = _slime_train(run, base, 30, "--eval-interval", "15", "--save-interval", "15")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))  # slime's TensorBoard folder
+    proc = _slime_train(
+        run, base, 30, "--eval-interval", "15", "--save-interval", "15", "--use-tensorboard"
+    )
     assert "rollout   30/30" in proc.stdout
     evals = [r for r in read_metrics(run / "metrics.jsonl") if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]
@@ -47,6 +50,18 @@ def test_slime_driven_run_learns_and_resumes(tmp_path, base):
     assert first > 0.1, f"the base answers only {first:.1%} of held-out problems"
     assert last >= first + 0.10, f"held-out accuracy went {first:.3f} -> {last:.3f}"
     assert (run / "reward.png").stat().st_size > 0
+    # slime's TensorBoard: the same numbers, at slime's steps (the rollout's id)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    rewards = [r["reward/mean"] for r in read_metrics(run / "metrics.jsonl") if "reward/mean" in r]
+    assert [(e.step, e.value) for e in tb.Scalars("reward/mean")] == [
+        (i, pytest.approx(v)) for i, v in enumerate(rewards)
+    ]
+    assert [(e.step, e.value) for e in tb.Scalars("eval/accuracy")] == [
+        (s, pytest.approx(r["eval/accuracy"])) for s, r in zip([0, 14, 29], evals, strict=True)
+    ]
 
     # the same command with more rollouts resumes after the last checkpoint (rollout 30)
     proc = _slime_train(run, base, 32)

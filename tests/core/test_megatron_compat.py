@@ -155,3 +155,31 @@ def test_install_is_idempotent_and_uninstall_restores():
     assert torch.cuda.current_device is original
     assert megatron_compat_installed() is None
     assert torch.ones(1).type() == "torch.FloatTensor"
+
+
+class _CopyOnDevice(torch.autograd.Function):
+    """Like megatron's all-to-all: its forward (also run by its backward) makes its output
+    with ``device=torch.cuda.current_device()``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.new_empty(x.shape, device=torch.cuda.current_device()).copy_(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _CopyOnDevice.apply(grad)
+
+
+@pytest.mark.parametrize("top", ["tensor", "autograd"])
+def test_backward_nodes_run_in_the_scope(compat, top):
+    """A reentrant recompute (megatron's CheckpointFunction calls torch.autograd.backward in
+    its backward) reruns the forward inside the engine, where a torch-function mode is off
+    unless the scope enters it again."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(4, requires_grad=True)
+    with megatron_scope():
+        y = checkpoint(lambda t: _CopyOnDevice.apply(t * 3), x, use_reentrant=True)
+        loss = (y * y).sum()
+        loss.backward() if top == "tensor" else torch.autograd.backward([loss])
+    assert torch.allclose(x.grad, 18 * x.detach())  # d/dx (3x)^2

@@ -52,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -72,6 +73,8 @@ _SCOPE = threading.local()
 _MISSING = object()
 _TENSOR_TYPE = torch.Tensor.type
 _TENSOR_TO = torch.Tensor.to
+_TENSOR_BACKWARD = torch.Tensor.backward
+_TENSOR_BACKWARD_SIGNATURE = inspect.signature(torch.Tensor.backward)
 
 
 def _patch(owner: Any, name: str, value: Any) -> None:
@@ -102,10 +105,57 @@ class _CpuDeviceMode(TorchFunctionMode):
                 kwargs["pin_memory"] = False
         if args and func is _TENSOR_TO and _is_accel_device(args[1] if len(args) > 1 else None):
             args = (args[0], "cpu", *args[2:])
+        if func is torch.autograd.backward:
+            return _backward_in_scope(*args, **(kwargs or {}))
+        if func is _TENSOR_BACKWARD:
+            bound = _TENSOR_BACKWARD_SIGNATURE.bind(*args, **(kwargs or {})).arguments
+            return _backward_in_scope(
+                bound["self"], bound.get("gradient"), bound.get("retain_graph"),
+                bound.get("create_graph", False), inputs=bound.get("inputs"),
+            )  # fmt: skip
         result = func(*args, **(kwargs or {}))
         if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
             return _cuda_type_name(args[0], result)
         return result
+
+
+def _backward_in_scope(
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> None:
+    """``torch.autograd.backward`` (and ``Tensor.backward``) with the backward nodes run
+    inside the CPU mode.
+
+    A torch-function mode is off while it handles a call, and the autograd engine runs the
+    nodes inside that call: megatron's reentrant recompute (``CheckpointFunction.backward``
+    calls ``torch.autograd.backward``) reruns its forward there, where a ``device=
+    torch.cuda.current_device()`` (its MoE all-to-all) needs the mode. So the engine is
+    run directly (as megatron's own ``custom_backward`` does) with the mode entered again.
+    """
+    if grad_variables is not None:
+        grad_tensors = grad_variables
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    if grad_tensors is None or isinstance(grad_tensors, torch.Tensor):
+        grad_tensors = [grad_tensors] * len(tensors) if grad_tensors is None else [grad_tensors]
+    grads = tuple(
+        torch.ones_like(t, memory_format=torch.preserve_format) if g is None else g
+        for t, g in zip(tensors, grad_tensors, strict=True)
+    )
+    if inputs is None:
+        inputs = ()
+    elif isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    else:
+        inputs = tuple(inputs)
+    with _CpuDeviceMode():
+        torch.autograd.Variable._execution_engine.run_backward(
+            tensors, grads, create_graph if retain_graph is None else retain_graph,
+            create_graph, inputs, allow_unreachable=True, accumulate_grad=True,
+        )  # fmt: skip
 
 
 def _cuda_type_name(tensor: torch.Tensor, name: str) -> str:

@@ -1,10 +1,15 @@
 """Save and load with megatron-core ``dist_checkpointing``.
 
-Layout on disk (Megatron's):  ``<dir>/iter_0000050/`` (one dist checkpoint) and
+Layout on disk (Megatron-LM's):  ``<dir>/iter_0000050/`` (one dist checkpoint) and
 ``<dir>/latest_checkpointed_iteration.txt``. The tracker file is written last, atomically,
 after every rank has finished writing, so a process killed during a save never leaves a
 checkpoint that resume would pick up. Tensors are saved as ``ShardedTensor`` with their
 global shape and offset, so a checkpoint saved at TP=2 loads at TP=1 (or any PP/VPP/EP).
+``common.pt`` holds what Megatron-LM's loader reads at its top level (``args``,
+``iteration``, ``checkpoint_version``, ...: :mod:`titan_core.checkpoint.megatron_lm`) and
+Titan's own state under ``common``. A tracker holding ``release`` names the folder
+``<dir>/release/`` (Megatron-LM's release checkpoint, e.g. slime's converted HF model):
+weights to start from, never a resume point (:data:`RELEASE`).
 """
 
 from __future__ import annotations
@@ -21,13 +26,27 @@ import torch
 import torch.distributed as dist
 
 from titan_core.accelerator import megatron_scope
+from titan_core.checkpoint import megatron_lm
 from titan_core.checkpoint.verify import CheckpointError, damage, describe
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
+#: the iteration :func:`latest_iteration` answers for a tracker holding ``release``
+#: (Megatron-LM's ``read_metadata``), whose folder is ``release/``: Megatron-LM loads it as
+#: iteration 0 with no optimizer, scheduler or RNG state, and so does Titan (weights only)
+RELEASE = -1
+
 
 def iteration_dir(root: str | Path, iteration: int) -> Path:
+    """The folder of ``iteration`` under ``root`` (``release/`` for :data:`RELEASE`)."""
+    if iteration == RELEASE:
+        return Path(root) / "release"
     return Path(root) / f"iter_{iteration:07d}"
+
+
+def iteration_name(iteration: int) -> str:
+    """``iteration N``, or ``the release checkpoint``, for messages."""
+    return "the release checkpoint" if iteration == RELEASE else f"iteration {iteration}"
 
 
 def _iterations(root: Path) -> list[int]:
@@ -37,14 +56,16 @@ def _iterations(root: Path) -> list[int]:
 
 
 def latest_iteration(root: str | Path | None) -> int | None:
-    """The newest complete, readable checkpoint's iteration under ``root``, or None.
+    """The newest complete, readable checkpoint's iteration under ``root``, or None;
+    :data:`RELEASE` where the tracker holds ``release`` (Megatron-LM's convention).
 
     The tracker file names the newest complete save. If that iteration is damaged (a shard
     truncated, a file missing or unreadable: see ``verify.damage``), the newest older
     iteration that passes the same checks is used instead, with a warning naming the
     damaged one and why: a preempted job restarted unattended goes on from its last good
-    save. If none passes, :class:`CheckpointError` names each problem. A tracker that does
-    not hold an iteration number is refused.
+    save. If none passes, :class:`CheckpointError` names each problem. A release checkpoint
+    has nothing older to fall back on. A tracker that holds neither an iteration number nor
+    ``release`` is refused.
     """
     if root is None:
         return None
@@ -53,14 +74,18 @@ def latest_iteration(root: str | Path | None) -> int | None:
     if not tracker.is_file():
         return None
     text = tracker.read_text().strip()
-    if not text.isdigit():
+    if text == "release":
+        candidates = [RELEASE]
+    elif text.isdigit():
+        newest = int(text)
+        candidates = [newest, *reversed([i for i in _iterations(root) if i < newest])]
+    else:
         raise CheckpointError(
-            f"{tracker} should hold an iteration number, not {text[:80]!r}; write the newest "
-            f"complete iteration's number into it or remove the folder {root}"
+            f"{tracker} should hold an iteration number (or 'release'), not {text[:80]!r}; "
+            f"write the newest complete iteration's number into it or remove the folder {root}"
         )
-    newest = int(text)
     problems = []
-    for iteration in [newest, *reversed([i for i in _iterations(root) if i < newest])]:
+    for iteration in candidates:
         why = damage(iteration_dir(root, iteration))
         if why is None:
             if problems:
@@ -69,7 +94,7 @@ def latest_iteration(root: str | Path | None) -> int | None:
                     f"loaded; skipped {'; '.join(problems)}"
                 )
             return iteration
-        problems.append(f"iteration {iteration}: {why}")
+        problems.append(f"{iteration_name(iteration)}: {why}")
     raise CheckpointError(
         f"no loadable checkpoint under {root}: {'; '.join(problems)}. Restore the files, or "
         "remove the folder to start afresh"
@@ -119,22 +144,27 @@ def unwrap(module: Any) -> Any:
     return module
 
 
-def _model_state(model: list) -> dict[str, Any]:
+def _model_state(model: list, metadata: dict[str, Any]) -> dict[str, Any]:
     if len(model) == 1:
-        return {"model": unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+        return {"model": unwrap(model[0]).sharded_state_dict(metadata=dict(metadata))}
+    return {
+        f"model{i}": unwrap(chunk).sharded_state_dict(metadata=dict(metadata))
+        for i, chunk in enumerate(model)
+    }
 
 
-def _full_state(model: list, optimizer: Any, is_loading: bool) -> dict[str, Any]:
-    state = _model_state(model)
+def _full_state(
+    model: list, optimizer: Any, is_loading: bool, metadata: dict[str, Any]
+) -> dict[str, Any]:
+    """The sharded state dict, built with the content ``metadata`` (Megatron-LM's: how the
+    state is sharded; a load uses the checkpoint's own)."""
+    state = _model_state(model, metadata)
     if optimizer is not None:
         # The nested dict as is: chunks share local key names, their sharded keys differ.
         # fully_reshardable: the distributed optimizer's state is saved per parameter (the
         # default flattened layout is not loadable by the torch_dist strategy in 0.16).
         state["optimizer"] = optimizer.sharded_state_dict(
-            dict(state),
-            is_loading=is_loading,
-            metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+            dict(state), is_loading=is_loading, metadata=dict(metadata)
         )
     return state
 
@@ -147,8 +177,14 @@ def save_checkpoint(
     optimizer: Any,
     common: dict[str, Any],
     keep_last: int = 0,
+    retain_interval: int | None = None,
 ) -> Path:
-    """Save model (+ optimizer) shards and ``common`` (step, scheduler, data position)."""
+    """Save model (+ optimizer) shards and ``common`` (step, scheduler, data position) as
+    Megatron-LM lays a ``torch_dist`` checkpoint out (its common keys beside Titan's
+    ``common``; the scheduler as its ``opt_param_scheduler``). ``keep_last``: older
+    iterations beyond the newest N are removed (0: none). ``retain_interval`` (Megatron-LM's
+    ``--save-retain-interval``): the checkpoint the tracker named before this save is
+    removed unless its iteration is a multiple of it (see :func:`_drop_unretained`)."""
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
@@ -157,10 +193,14 @@ def save_checkpoint(
             shutil.rmtree(path)
         path.mkdir(parents=True)
     _barrier()
-    state = _full_state(model, optimizer, is_loading=False)
-    state["common"] = common
+    metadata = dict(megatron_lm.CONTENT_METADATA)
+    state = _full_state(model, optimizer, is_loading=False, metadata=metadata)
+    chunk = unwrap(model[0]) if model else None
+    # a release checkpoint (converted weights) is iteration 0 to Megatron-LM
+    state.update(megatron_lm.common_state(max(iteration, 0), chunk, optimizer, common))
+    state["common"] = {k: v for k, v in common.items() if k != "scheduler"}
     try:
-        dist_checkpointing.save(state, str(path))
+        dist_checkpointing.save(state, str(path), content_metadata=metadata)
     except Exception as e:
         os_error = _os_error(e)
         if os_error is None:
@@ -175,13 +215,38 @@ def save_checkpoint(
         ) from e
     _barrier()
     if _rank() == 0:
+        previous = _tracked_iteration(Path(root))
         tmp = Path(root) / f".{TRACKER}.tmp"
-        tmp.write_text(str(iteration))
+        tmp.write_text("release" if iteration == RELEASE else str(iteration))
         os.replace(tmp, Path(root) / TRACKER)
         if keep_last:
             _prune(Path(root), keep_last, iteration)
+        if retain_interval:
+            _drop_unretained(Path(root), previous, iteration, retain_interval)
     _barrier()
     return path
+
+
+def _tracked_iteration(root: Path) -> int | None:
+    """The iteration number the tracker holds (None: no tracker, ``release``, or not a
+    number)."""
+    try:
+        text = (root / TRACKER).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _drop_unretained(root: Path, previous: int | None, current: int, interval: int) -> None:
+    """Megatron-LM's ``--save-retain-interval`` (``save_checkpoint``'s finalize step): once
+    the tracker names ``current``, the iteration it named before is removed if it is
+    positive, not ``current`` and not a multiple of ``interval`` (a symbolic link is left).
+    What stays: the iterations at multiples of ``interval``, and the newest."""
+    if previous is None or previous <= 0 or previous == current or previous % interval == 0:
+        return
+    folder = iteration_dir(root, previous)
+    if not folder.is_symlink():
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _os_error(e: BaseException | None) -> OSError | None:
@@ -230,22 +295,26 @@ def allocate_optimizer_state(optimizer: Any) -> None:
 def load_checkpoint(
     root: str | Path, iteration: int, model: list, optimizer: Any | None
 ) -> dict[str, Any]:
-    """Load shards into ``model`` (and ``optimizer`` if given); return the common state."""
+    """Load shards into ``model`` (and ``optimizer`` if given); return Titan's common state
+    (with the scheduler state, Megatron-LM's ``opt_param_scheduler``, as ``scheduler``).
+    The state is built with the checkpoint's content metadata, as Megatron-LM's loader
+    does (Titan's earlier checkpoints, without one: the sharding they were saved with)."""
     from megatron.core import dist_checkpointing
 
     path = iteration_dir(root, iteration)
     if optimizer is not None:
         allocate_optimizer_state(optimizer)
-    state = _full_state(model, optimizer, is_loading=True)
+    try:
+        saved = dist_checkpointing.load_content_metadata(str(path))
+    except Exception as e:
+        raise _unloadable(root, iteration, e) from None
+    metadata = dict(saved or megatron_lm.LEGACY_CONTENT_METADATA)
+    state = _full_state(model, optimizer, is_loading=True, metadata=metadata)
     state["common"] = {}
     try:
         loaded = dist_checkpointing.load(state, str(path))
     except Exception as e:  # damage the cheap checks before the load could not see
-        raise CheckpointError(
-            f"could not load iteration {iteration} from {path}: {_load_error(e)}. If the "
-            f"files are damaged, restore them, or move {path.name} aside and update "
-            f"{Path(root) / TRACKER} to the previous iteration"
-        ) from None
+        raise _unloadable(root, iteration, e) from None
     if len(model) == 1:
         unwrap(model[0]).load_state_dict(loaded["model"])
     else:
@@ -253,7 +322,19 @@ def load_checkpoint(
             unwrap(chunk).load_state_dict(loaded[f"model{i}"])
     if optimizer is not None:
         load_optimizer_state(optimizer, loaded["optimizer"])
-    return loaded.get("common", {})
+    common = dict(loaded.get("common") or {})
+    if "scheduler" not in common and loaded.get("opt_param_scheduler") is not None:
+        common["scheduler"] = loaded["opt_param_scheduler"]
+    return common
+
+
+def _unloadable(root: str | Path, iteration: int, e: BaseException) -> CheckpointError:
+    path = iteration_dir(root, iteration)
+    return CheckpointError(
+        f"could not load {iteration_name(iteration)} from {path}: {_load_error(e)}. If the "
+        f"files are damaged, restore them, or move {path.name} aside and update "
+        f"{Path(root) / TRACKER} to the previous iteration"
+    )
 
 
 def _load_error(e: BaseException) -> str:

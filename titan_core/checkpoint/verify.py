@@ -2,9 +2,10 @@
 
 A ``torch_dist`` iteration folder holds ``metadata.json`` (the backends), ``.metadata``
 (torch.distributed.checkpoint's index: for every saved item, its shard file, offset and
-length), the shard files ``__R_N.distcp`` and ``common.pt`` (step, scheduler, data
-position). What can be known without loading a tensor is checked: every file the index
-names is there and long enough, and ``common.pt`` reads with ``weights_only=True``. A shard
+length), the shard files ``__R_N.distcp`` and ``common.pt`` (Megatron-LM's ``args`` and
+iteration; Titan's step, scheduler, data position). What can be known without loading a
+tensor is checked: every file the index names is there and long enough, and ``common.pt``
+reads with ``weights_only=True`` (``megatron_lm.read_common``). A shard
 whose bytes are damaged at the right length is only found by the load itself, which then
 fails with :class:`CheckpointError` naming the iteration (see ``dist.load_checkpoint``).
 """
@@ -15,7 +16,7 @@ import json
 import pickle
 from pathlib import Path
 
-import torch
+from titan_core.checkpoint.megatron_lm import read_common
 
 
 class CheckpointError(RuntimeError):
@@ -65,7 +66,7 @@ def damage(folder: str | Path) -> str | None:
             return f"{shard} is truncated: {size} bytes, the index needs {end}"
     common = folder / "common.pt"
     try:
-        torch.load(common, map_location="cpu", weights_only=True)
+        read_common(common)
     except Exception as e:
         return f"{common} is unreadable ({describe(e)})"
     return None

@@ -59,11 +59,23 @@ class TrainingSetup:
         self.scheduler.load_state_dict(common["scheduler"])
         return common
 
-    def save(self, root: Path, step: int, common: dict[str, Any], keep_last: int) -> None:
-        """Save the model, optimizer and scheduler state (with ``common``) as iteration
-        ``step`` under ``root``, keeping the newest ``keep_last`` (0: all)."""
+    def save(
+        self,
+        root: Path,
+        step: int,
+        common: dict[str, Any],
+        keep_last: int,
+        retain_interval: int | None = None,
+    ) -> None:
+        """Save the model, optimizer and scheduler state (with ``common``, whose ``step``
+        if any overrides ``step``) as iteration ``step`` under ``root``, keeping the newest
+        ``keep_last`` (0: all) and, with ``retain_interval``, what Megatron-LM's
+        ``--save-retain-interval`` keeps (``titan_core.checkpoint.dist.save_checkpoint``)."""
         state = {"step": step, **common, "scheduler": self.scheduler.state_dict()}
-        save_checkpoint(root, step, self.model, self.optimizer, state, keep_last=keep_last)
+        save_checkpoint(
+            root, step, self.model, self.optimizer, state,
+            keep_last=keep_last, retain_interval=retain_interval,
+        )  # fmt: skip
 
 
 @megatron_scope()

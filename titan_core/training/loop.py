@@ -15,7 +15,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from titan_core.accelerator import Accelerator, get_accelerator, megatron_scope
 from titan_core.checkpoint import latest_iteration
-from titan_core.checkpoint.dist import iteration_dir, unwrap
+from titan_core.checkpoint.dist import RELEASE, iteration_dir, iteration_name, unwrap
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
@@ -194,8 +194,8 @@ class Trainer:
         ck = self.cfg.checkpoint
         load_dir = Path(ck.load) if ck.load else self.save_dir
         iteration = latest_iteration(load_dir) if ck.auto_resume else None
-        if iteration is not None:
-            return CheckpointSource(load_dir, iteration, resume=True)
+        if iteration is not None:  # a release checkpoint is weights only (Megatron-LM's rule)
+            return CheckpointSource(load_dir, iteration, resume=iteration != RELEASE)
         if ck.pretrained_checkpoint:
             root = Path(ck.pretrained_checkpoint)
             it = latest_iteration(root)
@@ -218,7 +218,7 @@ class Trainer:
             self.eval_accuracy = common.get("eval_accuracy")
             self._say(f"resumed from {src.root} at step {self.step}")
         else:
-            self._say(f"initialized weights from {src.root} (iteration {src.iteration})")
+            self._say(f"initialized weights from {src.root} ({iteration_name(src.iteration)})")
 
     def save(self) -> None:
         check_params(self.model, f"step {self.step}: checkpoint refused", _NONFINITE_HINT)

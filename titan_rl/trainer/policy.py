@@ -22,10 +22,10 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from titan_core.accelerator import megatron_scope
-from titan_core.checkpoint import latest_iteration, load_checkpoint
+from titan_core.checkpoint import RELEASE, latest_iteration, load_checkpoint
 from titan_core.checkpoint.dist import unwrap
 from titan_core.data.tokenizer import build_tokenizer
-from titan_core.models.gpt import build_model_chunks
+from titan_core.models.gpt import build_model_chunks, build_transformer_config
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
 from titan_core.models.hf.from_titan import hf_config_for
 from titan_core.parallel.initialize import initialize
@@ -114,7 +114,10 @@ class PolicyTrainer:
         self.annotator = MicrobatchAnnotator([unwrap(c) for c in self.model])
         self.ref_model = None
         if cfg.algo.use_kl_loss or cfg.algo.use_kl_in_reward:
-            ref = build_model_chunks(self.pcfg, self.tf, self.vocab_size, self.accel)
+            # a config of its own: the policy's has since been given the DDP and optimizer
+            # hooks (process groups), which megatron's MoE experts cannot deep-copy
+            ref_tf = build_transformer_config(self.pcfg, self.accel, replay)
+            ref = build_model_chunks(self.pcfg, ref_tf, self.vocab_size, self.accel)
             self._load_policy(ref)
             for chunk in ref:
                 chunk.eval().requires_grad_(False)
@@ -170,17 +173,27 @@ class PolicyTrainer:
         check_params(self.model, f"{what}: refused", NONFINITE_HINT)
 
     # ---- checkpoints -----------------------------------------------------------------
-    def save(self, step: int, extra: dict[str, Any], keep_last: int = 2) -> None:
-        """A checkpoint in ``save_dir``; older ones beyond ``keep_last`` are pruned (0: none)."""
+    def save(
+        self,
+        step: int,
+        extra: dict[str, Any],
+        keep_last: int = 2,
+        retain_interval: int | None = None,
+    ) -> None:
+        """A checkpoint in ``save_dir``; older ones beyond ``keep_last`` are pruned (0: none),
+        and with ``retain_interval`` as Megatron-LM's ``--save-retain-interval`` prunes."""
         self.check_finite(f"step {step}: checkpoint")
-        self.setup.save(self.save_dir, step, extra, keep_last=keep_last)
+        self.setup.save(
+            self.save_dir, step, extra, keep_last=keep_last, retain_interval=retain_interval
+        )
 
     def resume(self, root: str | Path | None = None) -> dict[str, Any] | None:
         """Model, optimizer and common state of the newest checkpoint in ``root`` (default
-        ``save_dir``); None where there is none."""
+        ``save_dir``); None where there is none, or only a release checkpoint (weights to
+        start from, as Megatron-LM treats it)."""
         root = Path(root) if root is not None else self.save_dir
         it = latest_iteration(root)
-        if it is None:
+        if it is None or it == RELEASE:
             return None
         return self.setup.load(CheckpointSource(root, it, resume=True))
 
