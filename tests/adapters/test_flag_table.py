@@ -196,7 +196,8 @@ def test_generated_sglang_and_router_flags_are_named(capsys: pytest.CaptureFixtu
     args = parse("slime", [*BASE, "--sglang-cuda-graph-bs", "1", "2", "4",
                            "--router-policy", "round_robin"])  # fmt: skip
     assert args.titan_generated_flags == {
-        "--sglang-cuda-graph-bs": ["1", "2", "4"], "--router-policy": ["round_robin"]
+        "--sglang-cuda-graph-bs": ["1", "2", "4"],
+        "--router-policy": ["round_robin"],
     }
     from adapters.common.driver import generated_args
 
@@ -265,4 +266,6 @@ def test_readme_flag_table_is_generated_from_the_code() -> None:
     if os.environ.get("TITAN_UPDATE_README"):
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: table, text, flags=re.S)
         README.write_text(text)
-    assert table in text, "adapters/README.md's flag table is stale: rerun with TITAN_UPDATE_README=1"
+    assert table in text, (
+        "adapters/README.md's flag table is stale: rerun with TITAN_UPDATE_README=1"
+    )
