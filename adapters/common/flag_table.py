@@ -231,7 +231,10 @@ FLAG_TABLE: dict[str, Entry] = {
         refuse_values=("torch",),
         refuse_why="Titan reads and writes megatron-core torch_dist checkpoints",
     ),
-    "no_load_optim": _acts("a resume from --load restores parameters only (fresh Adam state)"),
+    "no_load_optim": Refused(
+        "a resume restores the Adam state too; start a fresh run from "
+        "the checkpoint with --ref-load instead"
+    ),  # fmt: skip
     "no_load_rng": NoEffect("Titan's trainer draws no random numbers in an RL step"),
     "finetune": Refused("start from --ref-load (a fresh run) instead"),
     "log_interval": NoEffect("one status line and one metrics.jsonl record per rollout"),
@@ -493,7 +496,10 @@ FLAG_TABLE: dict[str, Entry] = {
         "python -m adapters.slime.convert_hf_to_torch_dist); the policy starts from it when "
         "--load holds no checkpoint"
     ),
-    "ref_ckpt_step": _acts("the iteration of --ref-load to read (default: its tracker's)"),
+    "ref_ckpt_step": Refused(
+        "Titan reads the iteration --ref-load's tracker names; point --ref-load at a folder "
+        "whose latest_checkpointed_iteration.txt names the one you want"
+    ),
     "load": _acts("resume from the newest checkpoint here (none: start from --ref-load)"),
     "save": _acts(
         "checkpoints (megatron-core torch_dist, Megatron-LM's layout) and the "
@@ -501,7 +507,9 @@ FLAG_TABLE: dict[str, Entry] = {
     ),  # fmt: skip
     "save_interval": _acts("save every N rollouts (and after the last)"),
     "async_save": NoEffect("Titan saves synchronously (the tracker is written last)"),
-    "no_save_optim": _acts("checkpoints hold parameters only"),
+    "no_save_optim": Refused(
+        "Titan's checkpoints hold the Adam state (a resume needs it); drop the flag"
+    ),  # fmt: skip
     "save_hf": _acts(
         "after each --save checkpoint, an HF snapshot at save_hf.format(rollout_id=...), as "
         "slime's and miles' Megatron actors write one: config.json, model.safetensors, the "
@@ -664,7 +672,10 @@ FLAG_TABLE: dict[str, Entry] = {
         "rollout_buffer_url fetch_trajectory_retry_times min_batch_collection_ratio "
         "rollout_task_type disable_rollout_trim_samples use_dynamic_global_batch_size",
     ),  # fmt: skip
-    "loss_mask_type": _acts("slime's loss-mask rule for multi-turn samples"),
+    "loss_mask_type": Refused(
+        "multi-turn loss masks come from the generate hook's samples (Sample.loss_mask); "
+        "drop the flag"
+    ),
     "data_pad_size_multiplier": NoEffect("Titan pads micro-batches to their longest row"),
     "rollout_sample_filter_path": Refused("use rollout.dynamic_filter in the Titan YAML"),
     "rollout_all_samples_process_path": Refused("use --custom-convert-samples-to-train-data-path"),
@@ -697,7 +708,10 @@ FLAG_TABLE: dict[str, Entry] = {
         "session_sample_postprocessor_path",
     ),  # fmt: skip
     "custom_config_path": _acts("YAML whose keys are set on args (slime's rule)"),
-    "padded_vocab_size": _acts("checked against Titan's padded vocabulary"),
+    "padded_vocab_size": NoEffect(
+        "Titan pads the vocabulary itself (make_vocab_size_divisible_by x TP) and exports the "
+        "HF vocabulary to the engines"
+    ),
 }
 
 

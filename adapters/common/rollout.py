@@ -50,19 +50,39 @@ def sampling_params(args: Any, evaluation: bool = False) -> dict[str, Any]:
     return params
 
 
+def _capped(args: Any, sample: Any, params: dict[str, Any], limit: int | None) -> dict[str, Any]:
+    """``params`` with ``max_new_tokens`` cut so prompt + response fit in ``limit`` tokens
+    (slime's ``--rollout-max-context-len`` / ``--eval-max-context-len``)."""
+    params = dict(params)
+    if limit is None:
+        return params
+    from adapters.common.clients import run_tokenizer
+
+    prompt = len(sample.tokens) if sample.tokens else len(
+        run_tokenizer(args, "count the prompt's tokens").encode(sample.prompt)
+    )  # fmt: skip
+    params["max_new_tokens"] = max(0, min(int(params["max_new_tokens"]), limit - prompt))
+    return params
+
+
 async def generate_and_score(
-    args: Any, groups: list[list[Any]], params: dict[str, Any], generate: Callable, rm: Callable
+    args: Any,
+    groups: list[list[Any]],
+    params: dict[str, Any],
+    generate: Callable,
+    rm: Callable,
+    context_limit: int | None = None,
 ) -> None:
     """Every sample through ``generate(args, sample, params)`` (at most :data:`CONCURRENCY`
     at once), then scored by ``rm``: per sample, or per group with ``--group-rm``, as slime's
     and miles' reward hub call a ``--custom-rm-path`` function. Groups are updated in place."""
     from adapters.common.clients import aclose_clients
 
-    sem = asyncio.Semaphore(CONCURRENCY)
+    sem = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or CONCURRENCY)
 
     async def one(sample: Any) -> Any:
         async with sem:
-            return await generate(args, sample, dict(params))
+            return await generate(args, sample, _capped(args, sample, params, context_limit))
 
     try:
         done = await asyncio.gather(*(asyncio.gather(*(one(s) for s in g)) for g in groups))
@@ -85,7 +105,8 @@ def summary(args: Any, samples: list[Any], evaluation: bool, truncated: Any) -> 
     """titan_rl's metric names (a reward of 1 or more counts as a right answer);
     ``truncated`` is the framework's ``Sample.Status.TRUNCATED``."""
     n = max(1, len(samples))
-    rewards = [float(s.get_reward_value(args)) for s in samples]
+    key = getattr(args, "eval_reward_key", None) if evaluation else None
+    rewards = [float(s.reward[key] if key else s.get_reward_value(args)) for s in samples]
     accuracy = sum(r >= 1.0 for r in rewards) / n
     if evaluation:
         return {"eval/accuracy": accuracy, "eval/reward": sum(rewards) / n}
@@ -120,7 +141,11 @@ def rollout_groups(
         groups = eval_groups
     else:
         groups = data_source.get_samples(args.rollout_batch_size)
-    asyncio.run(generate_and_score(args, groups, sampling_params(args, evaluation), generate, rm))
+    limit = getattr(args, "rollout_max_context_len", None)
+    if evaluation and getattr(args, "eval_max_context_len", None) is not None:
+        limit = args.eval_max_context_len
+    params = sampling_params(args, evaluation)
+    asyncio.run(generate_and_score(args, groups, params, generate, rm, limit))
     return groups
 
 

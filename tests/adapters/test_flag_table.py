@@ -269,3 +269,208 @@ def test_readme_flag_table_is_generated_from_the_code() -> None:
     assert table in text, (
         "adapters/README.md's flag table is stale: rerun with TITAN_UPDATE_README=1"
     )
+
+
+# ---- each honoured flag without a key: the test that shows it acting ---------------------------
+def _sp(argv: list[str], evaluation: bool = False) -> dict[str, Any]:
+    from adapters.common.rollout import sampling_params
+
+    return sampling_params(parse("slime", [*BASE, "--rollout-max-response-len", "8", *argv]),
+                           evaluation)  # fmt: skip
+
+
+def _cfg(argv: list[str], fw: str = "slime") -> Any:
+    return titan_config_from_args(parse(fw, [*BASE, *argv]))
+
+
+#: flag -> a check on what the parse, the config or the sampling parameters do with it
+ACTS: dict[str, Any] = {
+    "rollout_temperature": lambda: _sp(["--rollout-temperature", "0.3"])["temperature"] == 0.3,
+    "rollout_top_p": lambda: _sp(["--rollout-top-p", "0.5"])["top_p"] == 0.5,
+    "rollout_top_k": lambda: _sp(["--rollout-top-k", "5"])["top_k"] == 5,
+    "rollout_max_response_len": lambda: _sp([])["max_new_tokens"] == 8,
+    "rollout_stop": lambda: _sp(["--rollout-stop", "##"])["stop"] == ["##"],
+    "rollout_stop_token_ids": lambda: _sp(["--rollout-stop-token-ids", "7"])["stop_token_ids"] == [7],
+    "rollout_skip_special_tokens": lambda: _sp(["--rollout-skip-special-tokens"])["skip_special_tokens"],
+    "eval_temperature": lambda: _sp(["--eval-temperature", "0"], True)["temperature"] == 0,
+    "eval_top_p": lambda: _sp(["--eval-top-p", "0.7"], True)["top_p"] == 0.7,
+    "eval_top_k": lambda: _sp(["--eval-top-k", "3"], True)["top_k"] == 3,
+    "eval_max_response_len": lambda: _sp(["--eval-max-response-len", "4"], True)["max_new_tokens"] == 4,
+    "eval_min_new_tokens": lambda: _sp(["--eval-min-new-tokens", "2"], True)["min_new_tokens"] == 2,
+    "global_batch_size": lambda: parse("slime", [*BASE, "--global-batch-size", "4"]).global_batch_size == 4,
+    "num_steps_per_rollout": lambda: _finish(["--num-steps-per-rollout", "2"]).global_batch_size == 4,
+    "offload": lambda: _finish(["--offload"]).offload_train is True,
+    "colocate": lambda: _finish(["--colocate"]).offload_rollout is True,
+    "offload_train": lambda: _finish(["--offload-train"]).offload_train is True,
+    "offload_rollout": lambda: _finish(["--offload-rollout"]).offload_rollout is True,
+    "rollout_num_gpus": lambda: _finish(["--rollout-num-gpus", "3"]).rollout_num_gpus == 3,
+    "actor_num_gpus_per_node": lambda: _finish(["--actor-num-gpus-per-node", "3"]).rollout_num_gpus == 3,
+    "actor_num_nodes": lambda: _finish(["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "1"]).rollout_num_gpus == 2,
+    "prompt_data": lambda: _prompt_cfg().data.path.endswith("p.jsonl"),
+    "input_key": lambda: _prompt_cfg().data.prompt_key == "question",
+    "label_key": lambda: _prompt_cfg().data.label_key == "answer",
+    "apply_chat_template": lambda: _prompt_cfg().data.apply_chat_template is True,
+    "group_query_attention": lambda: _cfg(["--group-query-attention", "--num-query-groups", "2"]).model.num_query_groups == 2,
+    "num_query_groups": lambda: _cfg(["--num-query-groups", "2"]).model.num_query_groups != 2,
+    "custom_config_path": lambda: getattr(_custom_config(), "my_hook_setting", None) == 5,
+    "optimizer": lambda: parse("slime", [*BASE, "--optimizer", "adam"]).optimizer == "adam",
+    "rotary_percent": lambda: parse("slime", [*BASE, "--rotary-percent", "1.0"]).rotary_percent == 1.0,
+    "train_backend": lambda: parse("miles", [*BASE, "--train-backend", "megatron"]).train_backend == "megatron",
+    "megatron_to_hf_mode": lambda: parse("miles", [*BASE, "--megatron-to-hf-mode", "raw"]).megatron_to_hf_mode == "raw",
+    "ckpt_format": lambda: parse("slime", [*BASE, "--ckpt-format", "torch_dist"]).ckpt_format == "torch_dist",
+    "kl_coef": lambda: parse("slime", [*BASE, "--kl-coef", "0"]).kl_coef == 0,
+    "loss_type": lambda: parse("slime", [*BASE, "--loss-type", "policy_loss"]).loss_type == "policy_loss",
+    # read by slime's own code from the args this parser builds
+    "start_rollout_id": lambda: _slime_reads("ray/placement_group.py", "args.start_rollout_id is None")
+    and parse("slime", [*BASE, "--start-rollout-id", "5"]).start_rollout_id == 5,
+    "rm_url": lambda: _slime_reads("rollout/rm_hub/__init__.py", "args.rm_url")
+    and parse("slime", [*BASE, "--rm-url", "http://h:1"]).rm_url == "http://h:1",
+}  # fmt: skip
+
+
+def _slime_reads(path: str, text: str) -> bool:
+    import slime
+
+    return text in (Path(slime.__file__).parent / path).read_text()
+
+
+#: flag -> the test (file::function) that runs it through the user's command
+ELSEWHERE: dict[str, str] = {
+    **dict.fromkeys(
+        ["hf_checkpoint", "ref_load", "load", "save", "save_interval", "rm_type", "num_rollout",
+         "eval_interval", "eval_prompt_data", "n_samples_per_eval_prompt", "rollout_shuffle",
+         "balance_data", "rollout_global_dataset", "rollout_seed", "data_source_path",
+         "rollout_function_path", "eval_function_path", "num_gpus_per_node"],
+        "test_slime_scripts.py::test_run_qwen3_4b_script_trains_and_resumes"),
+    **dict.fromkeys(["custom_rm_path", "group_rm", "custom_generate_function_path"],
+                    "test_slime_hooks.py::test_exact_match_single_and_batched"),
+    **dict.fromkeys(["custom_reward_post_process_path", "custom_convert_samples_to_train_data_path",
+                     "rewards_normalization", "grpo_std_normalization", "reward_key",
+                     "balance_by_flops", "use_rollout_routing_replay"],
+                    "test_slime_train_data.py::test_train_data_is_slimes"),
+    **dict.fromkeys(["save_hf", "save_retain_interval"],
+                    "test_checkpoint_interop.py::test_layout_and_retain_interval"),
+    **dict.fromkeys(["update_weight_transport", "update_weight_disk_dir",
+                     "update_weight_disk_keep_files", "update_weight_mode", "train_env_vars"],
+                    "test_slime_actor.py::test_train_and_sync_under_slime_group"),
+    **dict.fromkeys(["rollout_external", "rollout_external_engine_addrs",
+                     "update_weight_transfer_mode"],
+                    "test_miles.py::test_driver_runs_miles_loop"),
+    **dict.fromkeys(["sglang_pp_size", "sglang_pipeline_parallel_size"],
+                    "test_flag_table.py::test_refused_value_of_an_honoured_flag"),
+    **dict.fromkeys(["rollout_max_context_len", "eval_max_context_len", "sglang_server_concurrency",
+                     "eval_reward_key"],
+                    "test_flag_table.py::test_context_cap_concurrency_and_eval_reward_key"),
+    **dict.fromkeys(["eval_input_key", "eval_label_key", "eval_max_prompt_len",
+                     "apply_chat_template_kwargs", "metadata_key", "tool_key", "eval_tool_key",
+                     "rollout_max_prompt_len"],
+                    "test_flag_table.py::test_eval_sets_read_by_slimes_dataset"),
+    "num_epoch": "test_slime_scripts.py::test_run_qwen3_4b_script_trains_and_resumes",
+    "skip_eval_before_train": "test_slime_scripts.py::test_run_qwen3_30b_a3b_script_runs_moe",
+}  # fmt: skip
+#: the tracking flags: adapters/common/tracking.py hands them to slime's / miles' own code
+_TRACKING = {
+    d: "test_tracking.py::test_slime_tensorboard_and_wandb_offline"
+    for d in FLAG_TABLE
+    if d.startswith(("wandb_", "use_wandb", "use_tensorboard", "tb_", "use_mlflow", "mlflow_",
+                     "use_prometheus", "prometheus_"))
+}  # fmt: skip
+
+
+def _finish(argv: list[str]) -> argparse.Namespace:
+    from adapters.slime.arguments import parse_args
+
+    return parse_args([*BASE, *argv])
+
+
+def _prompt_cfg() -> Any:
+    return _cfg(["--prompt-data", "/tmp/p.jsonl", "--input-key", "question", "--label-key",
+                 "answer", "--apply-chat-template"], fw="miles")  # fmt: skip
+
+
+def _custom_config() -> argparse.Namespace:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write("my_hook_setting: 5\n")
+    return _finish(["--custom-config-path", f.name])
+
+
+ACTS_ONLY = sorted(d for d, e in FLAG_TABLE.items() if isinstance(e, Honoured) and not e.key)
+
+
+@pytest.mark.parametrize("dest", ACTS_ONLY)
+def test_honoured_flag_acts(dest: str) -> None:
+    """Each honoured flag without a key is checked here or names the test that runs it."""
+    if dest in ACTS:
+        assert ACTS[dest](), f"--{dest.replace('_', '-')} did not act"
+        return
+    where = ELSEWHERE.get(dest) or _TRACKING.get(dest)
+    assert where, f"--{dest.replace('_', '-')} is honoured but no test shows it acting"
+    file, func = where.split("::")
+    assert f"def {func}(" in (REPO / "tests" / "adapters" / file).read_text()
+
+
+def test_context_cap_concurrency_and_eval_reward_key() -> None:
+    import asyncio
+
+    from slime.utils.types import Sample
+
+    from adapters.common.rollout import _capped, generate_and_score, summary
+
+    args = parse("slime", [*BASE, "--rollout-max-context-len", "12",
+                           "--sglang-server-concurrency", "1", "--eval-reward-key", "score"])  # fmt: skip
+    sample = Sample(tokens=list(range(10)))
+    assert _capped(args, sample, {"max_new_tokens": 8}, 12)["max_new_tokens"] == 2
+    assert _capped(args, sample, {"max_new_tokens": 8}, None)["max_new_tokens"] == 8
+    in_flight, most, seen = 0, 0, []
+
+    async def generate(args: Any, s: Any, params: dict[str, Any]) -> Any:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        seen.append(params["max_new_tokens"])
+        s.response_length = 1
+        return s
+
+    async def rm(args: Any, s: Any) -> dict[str, float]:
+        return {"score": 0.25, "acc": 1.0}
+
+    groups = [[Sample(tokens=list(range(10))) for _ in range(3)]]
+    asyncio.run(generate_and_score(args, groups, {"max_new_tokens": 8}, generate, rm, 12))
+    assert most == 1 and seen == [2, 2, 2]  # --sglang-server-concurrency 1; the context cap
+    assert summary(args, groups[0], True, None)["eval/reward"] == 0.25  # --eval-reward-key
+
+
+def test_eval_sets_read_by_slimes_dataset(tmp_path: Path) -> None:
+    import json
+
+    from slime.rollout.data_source import RolloutDataSource
+
+    from adapters.slime.rollout import eval_datasets
+    from tests.adapters.slime_scripts import tiny_qwen3
+
+    hf, _ = tiny_qwen3(tmp_path / "hf")
+    rows = [{"q": [{"role": "user", "content": "1+1?"}], "a": "2", "m": {"k": 1}},
+            {"q": [{"role": "user", "content": "x" * 200}], "a": "9", "m": {"k": 2}}]  # fmt: skip
+    path = tmp_path / "e.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = parse("slime", [*BASE, "--hf-checkpoint", str(hf), "--eval-prompt-data", "s1", str(path),
+                           "--eval-input-key", "q", "--eval-label-key", "a", "--apply-chat-template",
+                           "--eval-max-prompt-len", "64", "--metadata-key", "m",
+                           "--apply-chat-template-kwargs", '{"enable_thinking": false}'])  # fmt: skip
+    [(name, samples)] = eval_datasets(args)
+    assert name == "s1" and [s.label for s in samples] == ["2"]  # the long prompt is dropped
+    assert samples[0].prompt.startswith("<|im_start|>user\n1+1?") and samples[0].metadata == {
+        "k": 1
+    }
+    # the training source is slime's own, over the same flags
+    train = parse("slime", [*BASE, "--hf-checkpoint", str(hf), "--prompt-data", str(path),
+                            "--input-key", "q", "--label-key", "a", "--apply-chat-template",
+                            "--rollout-max-prompt-len", "64", "--metadata-key", "m",
+                            "--tool-key", "tools"])  # fmt: skip
+    source = RolloutDataSource(train)
+    got = source.get_samples(1)[0][0]
+    assert got.label == "2" and got.metadata == {"k": 1} and len(source.dataset) == 1
