@@ -136,6 +136,12 @@ def given_dests(args: Any, framework: str = "slime") -> set[str]:
     return {k for k, v in vars(args).items() if k in base and base[k] != v}
 
 
+def _on_cpu() -> bool:
+    from titan_core.accelerator import get_accelerator
+
+    return get_accelerator().device_type == "cpu"
+
+
 def finish(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """What slime's and miles' own argument validation derives (each error names the flag),
     including the attributes their code reads that no flag sets."""
@@ -143,6 +149,13 @@ def finish(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
         args.rollout_external_engine_addrs is not None
     )
     args.use_critic = args.advantage_estimator == "ppo"
+    if "actor_num_gpus_per_node" not in args.titan_given and _on_cpu():
+        # slime's / miles' default (8) counts GPUs; a CPU machine has none to count
+        args.actor_num_gpus_per_node = 1
+        args.titan_no_effect.append(
+            "--actor-num-gpus-per-node (default 8): one trainer rank on a CPU machine unless "
+            "the flag is given"
+        )
     args.remove_sample = False
     args.multi_lora = False
     args.sglang_speculative_algorithm = None

@@ -97,6 +97,30 @@ def _node_key(node: str) -> tuple[int, ...]:
     return tuple(map(int, parts)) if all(p.isdigit() for p in parts) else tuple(map(ord, node))
 
 
+def train_env(args: Any) -> dict[str, str]:
+    """The environment miles' ``actor_factory.allocate_gpus_for_actor`` gives each trainer
+    rank (its keys checked against miles' source by tests/adapters/test_miles_scripts.py):
+    every device visible (the rank picks its own, LOCAL_RANK = its GPU id), NCCL's cuMem off
+    (SGLang turns it off), TE's blockwise-FP8 fp32 scales, NVSHMEM without NCCL (DeepEP),
+    miles' dumper config, then ``--train-env-vars``. torch_memory_saver's preload hook is
+    the offload's own (``adapters.common.driver.colocated_offload``)."""
+    import os
+
+    from adapters.peers import import_peer
+
+    noset = import_peer("miles.ray.utils").NOSET_VISIBLE_DEVICES_ENV_VARS_LIST
+    environ = import_peer("miles.utils.environ")
+    env = {name: "1" for name in noset}
+    env["NCCL_CUMEM_ENABLE"] = os.environ.get("NCCL_CUMEM_ENABLE", "0")
+    env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = os.environ.get(
+        "NVTE_FP8_BLOCK_SCALING_FP32_SCALES", environ.default_fp8_block_scaling_fp32_scales()
+    )
+    env["NVSHMEM_DISABLE_NCCL"] = os.environ.get("NVSHMEM_DISABLE_NCCL", "1")
+    if config := getattr(args, "dumper_source_patcher_config_train", None):
+        env["DUMPER_SOURCE_PATCHER_CONFIG"] = config
+    return {**env, **(args.train_env_vars or {})}
+
+
 def allocate_titan_actors(
     args: Any,
     gpus_per_cell: int,
@@ -112,11 +136,8 @@ def allocate_titan_actors(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from adapters.miles.actor import TitanTrainRayActor
-    from adapters.peers import import_peer
 
-    noset = import_peer("miles.ray.utils").NOSET_VISIBLE_DEVICES_ENV_VARS_LIST
-    # as miles: every device visible, the rank picks its own (LOCAL_RANK = its GPU id)
-    env = {**{name: "1" for name in noset}, **(args.train_env_vars or {})}
+    env = train_env(args)
     remote_cls = ray.remote(num_gpus=1, runtime_env={"env_vars": env})(TitanTrainRayActor)
     placement_group, bundles, _ = pg
     handles: list[Any] = []
@@ -144,6 +165,10 @@ def titan_train_actors() -> Iterator[list[Any]]:
     groups are created). miles' allocator is restored on exit."""
     from adapters.peers import import_peer
 
+    # miles' v2 trainer group (MILES_EXPERIMENTAL_FT_TRAINER) imports the allocator itself,
+    # so inside this block it would build miles' Megatron ranks: refused, in miles' own
+    # driver as in Titan's
+    refuse_ft_trainer()
     group_mod = import_peer("miles.ray.actor_group")
     made: list[Any] = []
     original = group_mod.allocate_gpus_for_actor
@@ -160,15 +185,22 @@ def titan_train_actors() -> Iterator[list[Any]]:
         group_mod.allocate_gpus_for_actor = original
 
 
-def check_supported(args: Any) -> None:
-    """miles features this backend does not run, refused before anything starts."""
+def refuse_ft_trainer() -> None:
+    """miles' fault-tolerant trainer (``MILES_EXPERIMENTAL_FT_TRAINER``, its v2 group of
+    cells with in-memory healing) is not run by the Titan backend: a ConfigError."""
     from adapters.peers import import_peer
 
     if import_peer("miles.utils.environ").enable_experimental_ft_trainer():
         raise ConfigError(
             "MILES_EXPERIMENTAL_FT_TRAINER is set: miles' fault-tolerant trainer cells (and "
-            "their in-memory healing) are not supported by the Titan backend; unset it"
+            "their in-memory healing) are not supported by the Titan backend; unset it (a "
+            "Titan run resumes from --save after a failure)"
         )
+
+
+def check_supported(args: Any) -> None:
+    """miles features this backend does not run, refused before anything starts."""
+    refuse_ft_trainer()
     for name, what in (("use_critic", "a critic (PPO)"), ("use_opd", "on-policy distillation"),
                        ("indep_dp", "independent-DP cells"), ("multi_lora", "multi-LoRA")):  # fmt: skip
         if getattr(args, name, False):

@@ -5,15 +5,20 @@ line in their default mode; it goes to ``python -m adapters.miles.train`` instea
 
 Size changes, and why they are fair: the models are tiny random Qwen3 / Qwen3-MoE
 (``slime_scripts.tiny_qwen3``) with the scripts' model flags at those sizes; the layouts are
-scaled to the 2 trainer ranks a 2-core machine runs. The dense script trains TP=2 x CP=4 on 8
-GPUs: here TP=2 x CP=1 on 2 (the TP split and ``--sequence-parallel`` as given; CP=4 would
-need 8 ranks, so ``--context-parallel-size`` and ``--actor-num-gpus-per-node`` are the
-sizes changed). The MoE script trains TP=4, EP=8 on 8 GPUs with engines of 8: here EP=2 over
-the 2 ranks (as the script's EP spans all of its ranks; each rank holds 2 of the 4 experts)
-with TP=1, and one engine of 2. TP stays 1 because megatron-core trains MoE layers under
-TP > 1 only with sequence parallelism, which its local layers (no Transformer Engine on a
-CPU) cannot run. Counts: 2 prompts x 2 samples per rollout, 8-token responses, one sample
-per eval prompt.
+scaled to the 2 trainer ranks a 2-core machine runs, and the engines to one built-in CPU
+engine of 2 devices (one process whatever its size; no router: a short run).
+
+- run_qwen3_4b.py trains TP=2 x CP=4 on 8 GPUs, engines of 1 GPU: here TP=2 x CP=1 on 2
+  ranks. The TP split is the script's; with CP=4 it would need 8 ranks, so
+  ``--context-parallel-size`` and ``--actor-num-gpus-per-node`` are the sizes changed
+  (``--cp-comm-type a2a`` stays, named as having no effect; ``--sequence-parallel`` too, as
+  megatron-core's local layers on a CPU cannot split the sequence).
+- run_qwen3_30b_a3b.py trains TP=4, EP=8 on 8 GPUs, engines of 8: here EP=2 over the 2
+  ranks (the script's EP spans all its ranks; each rank holds 2 of the 4 experts) and TP=1:
+  megatron-core trains MoE layers under TP > 1 only with sequence parallelism, which its
+  local layers (no Transformer Engine on a CPU) cannot run.
+
+Counts: 2 prompts x 2 samples per rollout, 8-token responses, one sample per eval prompt.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ COUNTS = {
     "--eval-max-response-len": "8",
 }  # fmt: skip
 LAYOUT = {
-    DENSE: {"--context-parallel-size": "1", "--actor-num-gpus-per-node": "2"},
+    DENSE: {"--context-parallel-size": "1", "--actor-num-gpus-per-node": "2",
+            "--rollout-num-gpus-per-engine": "2"},
     MOE: {"--tensor-model-parallel-size": "1", "--expert-model-parallel-size": "2",
           "--rollout-num-gpus-per-engine": "2"},
 }  # fmt: skip
@@ -134,6 +140,35 @@ def test_script_command_line_parses_unchanged(
     assert "--use-fault-tolerance" not in named and "--dump-details" not in named
 
 
+def test_fault_tolerance_components(capsys: pytest.CaptureFixture) -> None:
+    """``--use-fault-tolerance`` alone is miles' ``rollout`` component; ``--ft-components
+    train`` (miles' fault-tolerant trainer cells) exits 2 naming it; without the switch no
+    component is on."""
+    from adapters.miles.arguments import parse_args
+
+    base = ["--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-rollout", "1",
+            "--rm-type", "math"]  # fmt: skip
+    assert parse_args(base).ft_components == []
+    assert parse_args([*base, "--use-fault-tolerance"]).ft_components == ["rollout"]
+    with pytest.raises(SystemExit) as e:
+        parse_args([*base, "--use-fault-tolerance", "--ft-components", "rollout", "train"])
+    assert e.value.code == 2 and "--ft-components" in capsys.readouterr().err
+
+
+def test_train_memory_margin_bytes_sets_the_savers_margin() -> None:
+    """``--train-memory-margin-bytes`` under ``--offload-train`` goes to torch_memory_saver's
+    ``memory_margin_bytes`` where it offloads the trainer (as miles' actor sets it); without
+    torch_memory_saver (host copies) there is no margin to set."""
+    from adapters.miles.actor import _set_memory_margin
+
+    tms = SimpleNamespace(memory_margin_bytes=0)
+    backend = SimpleNamespace(memory=SimpleNamespace(saver=SimpleNamespace(tms=tms)))
+    args = SimpleNamespace(train_memory_margin_bytes=3221225472, offload_train=True)
+    _set_memory_margin(args, backend)
+    assert tms.memory_margin_bytes == 3221225472
+    _set_memory_margin(args, SimpleNamespace(memory=SimpleNamespace(saver=None)))  # no-op
+
+
 def test_recover_updatable_engines_marks_restarted_engines_new() -> None:
     """``--use-fault-tolerance``: an engine restarted by its supervisor since the last
     weight update is reported new (the update reconnects and resends the weights); one
@@ -205,3 +240,52 @@ def test_moe_script_runs(tmp_path: Path) -> None:
     assert (
         tmp_path / "out" / "run" / "checkpoints" / "latest_checkpointed_iteration.txt"
     ).is_file()
+
+
+def test_trainer_ranks_get_miles_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variable miles' actor_factory sets for a trainer rank (read from its source)
+    is in the environment Titan's ranks get, with miles' defaults."""
+    import ast
+
+    from adapters.miles.arguments import parse_args
+    from adapters.miles.train import train_env
+    from adapters.peers import peer_source
+
+    tree = ast.parse(peer_source("miles.ray.train.actor_factory").read_text())
+    fn = next(n for n in ast.walk(tree)
+              if isinstance(n, ast.FunctionDef) and n.name == "allocate_gpus_for_actor")  # fmt: skip
+    keys = set()
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            if isinstance(target, ast.Name) and target.id == "env_vars":
+                keys |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+            if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "env_vars":
+                keys.add(ast.literal_eval(target.slice))
+    # torch_memory_saver's preload comes with the offload (absent here: no CUDA); miles'
+    # dumper (--dumper-source-patcher-config-train) is refused
+    preload = {"LD_PRELOAD", "TMS_INIT_ENABLE", "TMS_INIT_ENABLE_CPU_BACKUP",
+               "TMS_INIT_ENABLE_DISK_BACKUP", "TMS_DISK_BACKUP_CHUNK_MB", "TMS_DISK_BACKUP_DIR",
+               "DUMPER_SOURCE_PATCHER_CONFIG"}  # fmt: skip
+    assert {"NCCL_CUMEM_ENABLE", "NVSHMEM_DISABLE_NCCL"} <= keys
+    args = parse_args(["--rollout-batch-size", "2", "--num-rollout", "1", "--rm-type", "math",
+                       "--train-env-vars", '{"MY_VAR": "x"}'])  # fmt: skip
+    env = train_env(args)
+    assert keys - preload <= set(env), sorted(keys - preload - set(env))
+    assert env["NCCL_CUMEM_ENABLE"] == "0" and env["NVSHMEM_DISABLE_NCCL"] == "1"
+    assert env["MY_VAR"] == "x"
+
+
+def test_ft_trainer_is_refused_in_both_drivers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MILES_EXPERIMENTAL_FT_TRAINER: Titan's driver refuses it before anything starts, and
+    miles' own driver, whose v2 group would build miles' Megatron ranks inside Titan's
+    actor block, is refused there too."""
+    from adapters.miles.train import main as miles_main
+    from adapters.miles.train import titan_train_actors
+    from titan_core.config import ConfigError
+
+    monkeypatch.setenv("MILES_EXPERIMENTAL_FT_TRAINER", "1")
+    assert miles_main(["--rollout-batch-size", "2", "--num-rollout", "1", "--rm-type", "math"]) == 2
+    with pytest.raises(ConfigError, match="MILES_EXPERIMENTAL_FT_TRAINER"), titan_train_actors():
+        pass
