@@ -89,6 +89,7 @@ def parse(framework: str, argv: list[str] | None) -> argparse.Namespace:
     ap = build_parser(framework)
     args, unknown = ap.parse_known_args(argv)
     args.titan_generated_flags = _generated(ap, unknown)
+    args.titan_framework = framework
     given, _ = build_parser(framework, suppress_defaults=True).parse_known_args(argv)
     args.titan_given = sorted(k for k in vars(given) if k not in TITAN_DESTS)
     flags = {s.dest: s.name for s in framework_flags(framework)}
@@ -134,6 +135,28 @@ def given_dests(args: Any, framework: str = "slime") -> set[str]:
         return set(args.titan_given)
     base = defaults(framework)
     return {k for k, v in vars(args).items() if k in base and base[k] != v}
+
+
+def driver_defaults(
+    args: argparse.Namespace, rollout_function: str, data_source: str, *, with_prompt_data: bool
+) -> None:
+    """The framework's rollout function and data source where their defaults import sglang:
+    the adapter's, unless the flag is given (``with_prompt_data``: the data source also
+    under ``--prompt-data``); then a way to score the rollouts is required."""
+    given = set(args.titan_given)
+    if "rollout_function_path" not in given:
+        args.rollout_function_path = rollout_function
+    if "data_source_path" not in given and (with_prompt_data or args.prompt_data is None):
+        args.data_source_path = data_source
+    if (
+        args.custom_rm_path is None
+        and args.rm_type is None
+        and (args.rollout_function_path == rollout_function)
+    ):
+        build_parser(args.titan_framework).error(
+            "set --rm-type (the framework's rm_hub: deepscaler, dapo, math, f1, remote_rm, ...) "
+            "or --custom-rm-path to score the rollouts"
+        )
 
 
 def _on_cpu() -> bool:

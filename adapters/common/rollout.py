@@ -118,6 +118,26 @@ def summary(args: Any, samples: list[Any], evaluation: bool, truncated: Any) -> 
     }
 
 
+def eval_data(
+    args: Any, groups: list[list[Any]], names: list[str] | None, metrics: dict[str, float]
+) -> dict[str, Any]:
+    """An evaluation's data as slime's and miles' eval rollouts hand it on: per named set
+    (``--eval-prompt-data NAME PATH``) its rewards and samples, each set's mean reward put in
+    ``metrics`` as ``eval/NAME``; without names, one set ``eval``."""
+    flat = [s for g in groups for s in g]
+    if names is None:
+        return {"eval": {"rewards": [s.reward for s in flat], "samples": flat}}
+    key = getattr(args, "eval_reward_key", None)
+    data: dict[str, Any] = {}
+    for group, name in zip(groups, names, strict=True):
+        entry = data.setdefault(name, {"rewards": [], "samples": []})
+        entry["rewards"] += [s.reward[key] if key else s.get_reward_value(args) for s in group]
+        entry["samples"] += group
+    for name, entry in data.items():
+        metrics[f"eval/{name}"] = sum(map(float, entry["rewards"])) / len(entry["rewards"])
+    return data
+
+
 def rollout_groups(
     args: Any,
     data_source: Any,

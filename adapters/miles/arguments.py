@@ -25,7 +25,7 @@ import argparse
 from pathlib import Path
 
 from adapters.common.arguments import build_parser as _build_parser
-from adapters.common.arguments import finish, parse
+from adapters.common.arguments import driver_defaults, finish, parse
 
 #: miles' transfer mode -> Titan's sync.transport
 TRANSFER_MODE_TO_TRANSPORT = {"broadcast": "distributed", "p2p": "mooncake", "disk-delta": "disk"}
@@ -42,24 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults for the rest, and what miles' validation derives (errors name the flag)."""
     ap = build_parser()
     args = parse("miles", argv)
-    given = set(args.titan_given)
-    if "rollout_function_path" not in given:
-        args.rollout_function_path = ROLLOUT_FUNCTION
-    if "data_source_path" not in given:
-        args.data_source_path = DATA_SOURCE
-    if (
-        args.custom_rm_path is None
-        and args.rm_type is None
-        and (args.rollout_function_path == ROLLOUT_FUNCTION)
-    ):
-        build_parser().error(
-            "set --rm-type (the framework's rm_hub: deepscaler, dapo, math, f1, remote_rm, ...) "
-            "or --custom-rm-path to score the rollouts"
-        )
+    driver_defaults(args, ROLLOUT_FUNCTION, DATA_SOURCE, with_prompt_data=True)
     args = finish(ap, args)
     derive_miles_rules(args)
     if args.rollout_external and not args.rollout_external_engine_addrs:
         ap.error("--rollout-external needs --rollout-external-engine-addrs host:port ...")
+    given = set(args.titan_given)
     mode = args.update_weight_transfer_mode if "update_weight_transfer_mode" in given else None
     if args.colocate and mode is not None:
         ap.error("--update-weight-transfer-mode is for non-colocated engines; drop --colocate")

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from adapters.common.clients import engine_url, get_client, run_tokenizer
-from adapters.common.rollout import rollout_groups, summary
+from adapters.common.rollout import eval_data, rollout_groups, summary
 from adapters.peers import import_peer
 
 _endpoint = import_peer("miles.rollout.generate_utils.generate_endpoint_utils")
@@ -112,14 +112,5 @@ def generate_rollout(
     metrics = summary(args, flat, evaluation, _types.Sample.Status.TRUNCATED)
     if not evaluation:
         return SimpleNamespace(samples=groups, metrics=metrics)
-    if named is None:
-        data = {"eval": {"rewards": [s.reward for s in flat], "samples": flat}}
-        return SimpleNamespace(data=data, metrics=metrics)
-    data = {}
-    for group, name in zip(groups, named[1], strict=True):
-        entry = data.setdefault(name, {"rewards": [], "samples": []})
-        entry["rewards"] += [s.get_reward_value(args) for s in group]
-        entry["samples"] += group
-    for name, entry in data.items():
-        metrics[f"eval/{name}"] = sum(map(float, entry["rewards"])) / len(entry["rewards"])
+    data = eval_data(args, groups, named[1] if named else None, metrics)
     return SimpleNamespace(data=data, metrics=metrics)

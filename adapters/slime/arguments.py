@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from adapters.common.arguments import build_parser as _build_parser
-from adapters.common.arguments import finish, parse
+from adapters.common.arguments import driver_defaults, finish, parse
 
 #: the rollout function this driver runs when --rollout-function-path is left at slime's
 ROLLOUT_FUNCTION = "adapters.slime.rollout.generate_rollout"
@@ -32,20 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """slime's args namespace: every flag given checked against the flag table, slime's
     defaults for the rest, and what slime's validation derives (errors name the flag)."""
     args = parse("slime", argv)
-    given = set(args.titan_given)
-    if "rollout_function_path" not in given:
-        args.rollout_function_path = ROLLOUT_FUNCTION
-    if "data_source_path" not in given and args.prompt_data is None:
-        args.data_source_path = TITAN_DATA_SOURCE
-    if (
-        args.custom_rm_path is None
-        and args.rm_type is None
-        and (args.rollout_function_path == ROLLOUT_FUNCTION)
-    ):
-        build_parser().error(
-            "set --rm-type (the framework's rm_hub: deepscaler, dapo, math, f1, remote_rm, ...) "
-            "or --custom-rm-path to score the rollouts"
-        )
+    driver_defaults(args, ROLLOUT_FUNCTION, TITAN_DATA_SOURCE, with_prompt_data=False)
     args = finish(build_parser(), args)
     if args.update_weight_transport == "disk" and not args.update_weight_disk_dir:
         build_parser().error("--update-weight-transport disk needs --update-weight-disk-dir")

@@ -20,7 +20,7 @@ import copy
 import itertools
 from typing import Any
 
-from adapters.common.rollout import TitanEngines, rollout_groups, summary
+from adapters.common.rollout import TitanEngines, eval_data, rollout_groups, summary
 from adapters.peers import import_peer
 from adapters.slime.train_data import samples_to_train_data, split_by_dp
 
@@ -100,16 +100,7 @@ def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: b
     flat = [s for grp in groups for s in grp]
     metrics = summary(args, flat, evaluation, _types.Sample.Status.TRUNCATED)
     if evaluation:
-        data: dict[str, Any] = {}
-        if named:
-            for group, name in zip(groups, named[1], strict=True):
-                entry = data.setdefault(name, {"rewards": [], "samples": []})
-                entry["rewards"] += [s.get_reward_value(args) for s in group]
-                entry["samples"] += group
-            for name, entry in data.items():
-                metrics[f"eval/{name}"] = sum(map(float, entry["rewards"])) / len(entry["rewards"])
-        else:
-            data["eval"] = {"rewards": [s.reward for s in flat], "samples": flat}
+        data = eval_data(args, groups, named[1] if named else None, metrics)
         return _base_types.RolloutFnEvalOutput(data=data, metrics=metrics)
     return _base_types.RolloutFnTrainOutput(samples=groups, metrics=metrics)
 

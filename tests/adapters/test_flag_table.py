@@ -486,3 +486,19 @@ def test_eval_sets_read_by_slimes_dataset(tmp_path: Path) -> None:
     source = RolloutDataSource(train)
     got = source.get_samples(1)[0][0]
     assert got.label == "2" and got.metadata == {"k": 1} and len(source.dataset) == 1
+
+
+def test_eval_data_per_named_set() -> None:
+    from slime.utils.types import Sample
+
+    from adapters.common.rollout import eval_data
+
+    args = parse("slime", [*BASE, "--eval-reward-key", "acc"])
+    groups = [
+        [Sample(reward={"acc": 1.0}), Sample(reward={"acc": 0.0})],
+        [Sample(reward={"acc": 1.0})],
+    ]
+    metrics: dict[str, float] = {}
+    data = eval_data(args, groups, ["a", "b"], metrics)
+    assert metrics == {"eval/a": 0.5, "eval/b": 1.0} and len(data["a"]["samples"]) == 2
+    assert list(eval_data(args, groups, None, {})) == ["eval"]
