@@ -179,6 +179,8 @@ def finish(ap: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Na
             "--actor-num-gpus-per-node (default 8): one trainer rank on a CPU machine unless "
             "the flag is given"
         )
+    if args.eval_reward_key is None:  # slime's and miles' rule
+        args.eval_reward_key = args.reward_key
     args.remove_sample = False
     args.multi_lora = False
     args.sglang_speculative_algorithm = None

@@ -643,7 +643,10 @@ FLAG_TABLE: dict[str, Entry] = {
         NoEffect("extra wandb panels; Titan's metrics are in metrics.jsonl"),
         "log_multi_turn log_passrate log_reward_category log_correct_samples",
     ),
-    "save_debug_rollout_data": Refused("not yet supported by the Titan backend; drop the flag"),
+    "save_debug_rollout_data": _acts(
+        "each rollout's and evaluation's samples written by slime's / miles' own "
+        "save_debug_rollout_data to the path ({rollout_id} formatted; eval_<id> for evaluations)"
+    ),
     "dump_details": Refused("not yet supported by the Titan backend; drop the flag"),
     **_group(
         Refused(_DEBUG),

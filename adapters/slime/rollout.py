@@ -27,6 +27,7 @@ from adapters.slime.train_data import samples_to_train_data, split_by_dp
 _misc = import_peer("slime.utils.misc")
 _base_types = import_peer("slime.rollout.base_types")
 _types = import_peer("slime.utils.types")
+_debug = import_peer("slime.observability.rollout_data_utils")
 
 
 def reward_function(args: Any) -> Any:
@@ -140,12 +141,19 @@ class TitanRolloutManager(TitanEngines):
         while samples and isinstance(samples[0], list):
             samples = list(itertools.chain.from_iterable(samples))
         self.metrics = dict(out.metrics or {})
+        # slime's own dump (--save-debug-rollout-data), where slime's manager writes it
+        _debug.save_debug_rollout_data(
+            self.args.save_debug_rollout_data, samples, rollout_id=rollout_id, evaluation=False
+        )
         data = samples_to_train_data(self.args, samples)
         return split_by_dp(self.args, data, self.train_parallel_config)
 
     def eval(self, rollout_id: int) -> dict[str, float]:
         out = _base_types.call_rollout_fn(
             self.eval_generate_rollout, self.args, rollout_id, self.data_source, evaluation=True
+        )
+        _debug.save_debug_rollout_data(
+            self.args.save_debug_rollout_data, out.data, rollout_id=rollout_id, evaluation=True
         )
         return dict(out.metrics or {})
 

@@ -375,6 +375,7 @@ ELSEWHERE: dict[str, str] = {
                      "rollout_max_prompt_len"],
                     "test_flag_table.py::test_eval_sets_read_by_slimes_dataset"),
     "num_epoch": "test_slime_scripts.py::test_run_qwen3_4b_script_trains_and_resumes",
+    "save_debug_rollout_data": "test_slime_scripts.py::test_run_qwen3_4b_script_trains_and_resumes",
     "skip_eval_before_train": "test_slime_scripts.py::test_run_qwen3_30b_a3b_script_runs_moe",
     "ft_components": "test_miles_scripts.py::test_fault_tolerance_components",
     "train_memory_margin_bytes":

@@ -68,8 +68,13 @@ def test_run_qwen3_4b_script_trains_and_resumes(tmp_path: Path) -> None:
     assert argv.count("--tensor-model-parallel-size") == 1 and "--colocate" in argv
     assert "wrote" in _convert(argv, "--swiglu", hf, tmp_path / "ref")
     run = tmp_path / "run"
-    out = _run("adapters.slime.train", *argv, "--metrics-dir", str(run)).stdout
+    dump = str(tmp_path / "dump" / "{rollout_id}.pt")
+    out = _run("adapters.slime.train", *argv, "--metrics-dir", str(run),
+               "--save-debug-rollout-data", dump).stdout  # fmt: skip
     assert "rollout    2/2" in out
+    # slime's own dump of each rollout's and evaluation's samples
+    names = sorted(p.name for p in (tmp_path / "dump").iterdir())
+    assert names == ["0.pt", "1.pt", "eval_0.pt", "eval_1.pt"], names
     # flags that have no effect on this machine say so, once each, at start-up
     for flag in ("--attention-backend", "--sglang-mem-fraction-static", "--sequence-parallel"):
         assert sum(line.startswith(f"no effect here: {flag}:") for line in out.splitlines()) == 1
