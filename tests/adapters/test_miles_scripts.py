@@ -77,6 +77,7 @@ def _launch(script: str, root: Path, num_gpus_per_node: int | None = 2) -> Any:
 def _env(launch: Any) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **launch.env)
     env.pop("WANDB_API_KEY", None)  # the scripts' default: no wandb flags without a key
+    env.pop("TITAN_CONFIG", None)  # the script's flags alone, no Titan YAML from outside
     return env
 
 

@@ -396,8 +396,11 @@ def test_ray_init_gives_workers_the_hook(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw))
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
-    for var in ("SLIME_ACCELERATOR", "TITAN_CONFIG"):
-        monkeypatch.delenv(var, raising=False)
+    # set, then removed: monkeypatch restores each on exit, whatever ray_init writes there
+    # (a TITAN_CONFIG left behind would reach every later test's driver subprocess)
+    for var in ("SLIME_ACCELERATOR", "TITAN_CONFIG", "RAY_raylet_start_wait_time_s"):
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
 
     class Args:
         titan_config = str(REPO / "examples/math.yaml")

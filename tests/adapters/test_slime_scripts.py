@@ -9,6 +9,7 @@ own data source, scored by slime's ``rm_hub`` (``--rm-type``), evaluated on
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,8 +43,10 @@ def _sizes(root: Path, hf: Path, vocab: int) -> dict[str, str]:
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess:
+    # the script's flags alone: no Titan YAML from the environment (TITAN_CONFIG)
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_CONFIG"}
     proc = subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, cwd=REPO,
-                          timeout=900)  # fmt: skip
+                          timeout=900, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
 
