@@ -118,12 +118,6 @@ def apply_rl_patch() -> str:
 
         accel = get_accelerator()
         install_megatron_compat(accel)
-        try:
-            from adapters.slime.accelerator import register
-        except ImportError:  # the bootstrap may run where slime is absent (miles' MUSA PR)
-            pass
-        else:
-            register()
         _APPLIED = accel.name
     finally:
         _APPLYING = False

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from adapters.slime.patch import apply_rl_patch, run_vendor_bootstrap, vendor_musa_patch
+from adapters.slime.bootstrap import apply_and_register
+from adapters.slime.patch import run_vendor_bootstrap, vendor_musa_patch
 
 
 def patch_after_import_torch() -> None:
     """The vendor's hook (once), then Titan's answers (once)."""
     run_vendor_bootstrap()
-    apply_rl_patch()
+    apply_and_register()
 
 
 def __getattr__(name: str) -> Any:
@@ -29,4 +30,4 @@ def __getattr__(name: str) -> Any:
     return getattr(vendor, name)
 
 
-apply_rl_patch()
+apply_and_register()

@@ -10,7 +10,14 @@ name the vendor's folder here), then Titan's answers, once per process
 
 from __future__ import annotations
 
-from adapters.slime.patch import apply_rl_patch, apply_switches, megatron_switches
+from adapters.slime.bootstrap import apply_and_register
+from adapters.slime.patch import apply_switches, megatron_switches
+
+
+def apply_rl_patch() -> str:
+    """What slime (PR #2398) calls during MUSA initialization: Titan's start-up answers and
+    ``titan`` in slime's registry (once per process)."""
+    return apply_and_register()
 
 
 def patch_after_import_torch() -> None:
