@@ -23,27 +23,19 @@ from titan_core import signals
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child signalled (SIGTERM) when this process dies; None
-    off Linux, and off the main thread (the kernel signals when the *thread* that started
-    the child exits, which for a worker thread is long before the process does)."""
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return _die_with(os.getpid())
-
-
-def _die_with(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the child signalled when ``parent`` dies (Linux only)."""
+def die_with(parent: int, signum: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent ``signum`` when ``parent`` dies (Linux only;
+    None elsewhere). The kernel sends it when the parent *thread* that forks the child exits:
+    fork from a thread that lives as long as the process (the main thread here;
+    :func:`titan_core.tied_child.popen_tied` from any thread)."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork
 
     def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signum)
         if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
 
     return preexec
 
@@ -69,7 +61,7 @@ def run_child(cmd: list[str], **popen_kwargs: Any) -> int:
     StopSignals` is forwarded to it (a second one kills it, as every descendant).
     """
     stop = signals.active()
-    proc = subprocess.Popen(cmd, process_group=0, preexec_fn=_die_with(os.getpid()), **popen_kwargs)
+    proc = subprocess.Popen(cmd, process_group=0, preexec_fn=die_with(os.getpid()), **popen_kwargs)
     unregister = None
     if stop is not None:
         unregister = stop.on_request(lambda signum: _signal_group(proc, signum))

@@ -19,6 +19,7 @@ from titan_core.config.pretrain import (
     check_layout,
 )
 from titan_rl.algo.config import AlgoConfig
+from titan_rl.algo.estimators import group_size_problem
 from titan_rl.rewards.config import RewardConfig
 from titan_rl.sync.config import SyncConfig
 from titan_rl.user_code import split_spec
@@ -135,6 +136,11 @@ class EnginesConfig(Section):
     #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
     #: trainer's, as GPU engines do.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    #: prompt tokens an engine prefills per scheduling step, between its running requests'
+    #: decode steps (``--chunked-prefill-size``, both backends): a longer prompt goes in
+    #: chunks, so other requests wait for a chunk, not for all of it. -1: whole prompts;
+    #: None: the engine's default (the built-in engine's 2048, SGLang's own).
+    chunked_prefill_size: int | None = None
     #: the engines (and router) require ``Authorization: Bearer <api_key>``; None: open.
     api_key: str | None = None
     #: how long requests to engines that do not answer (connection refused or reset, 5xx)
@@ -142,6 +148,17 @@ class EnginesConfig(Section):
     #: serve the current weights: it must cover a restart (the built-in engine: ~20 s on 2
     #: busy cores; SGLang loading a large model: minutes).
     retry_timeout_s: float = Field(900.0, gt=0)
+    #: an engine that has not answered its health probe (``GET /health``) for this long is
+    #: hung (stopped, deadlocked): its supervisor kills it (SIGKILL) and restarts it as a dead
+    #: one, and it gets the current weights before it serves; silences are logged from 5 s on.
+    health_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _check_chunked_prefill_size(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"{v}: give a positive number of tokens, or -1 (whole prompts)")
+        return v
 
 
 class RLDataConfig(TokenizerFields, ArithmeticFields):
@@ -259,13 +276,11 @@ class GRPOConfig(Section):
                 f"rollout.prompts_per_step x n_samples_per_prompt ({batch}) must be divisible by "
                 f"train.micro_batch_size ({self.train.micro_batch_size})"
             )
-        if self.algo.advantage_estimator in ("grpo", "dr_grpo", "gspo", "rloo") and (
-            self.rollout.n_samples_per_prompt < 2
-        ):
-            raise ValueError(
-                f"algo.advantage_estimator={self.algo.advantage_estimator} compares samples of "
-                "a prompt: set rollout.n_samples_per_prompt >= 2"
-            )
+        problem = group_size_problem(
+            self.algo.advantage_estimator, self.rollout.n_samples_per_prompt
+        )
+        if problem:
+            raise ValueError(problem)
         if self.engines.num_engines > 1 and not self.engines.router:
             raise ValueError(
                 f"engines.num_engines={self.engines.num_engines} needs engines.router=true: the "

@@ -85,7 +85,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     from titan_rl.actors.engine_actor import RolloutEngineGroup
     from titan_rl.colocation import Colocation, colocation_for
     from titan_rl.driver import Driver
-    from titan_rl.placement import machine_plan, ray_init_kwargs, reserve
+    from titan_rl.placement import init_ray, machine_plan, ray_init_kwargs, reserve
     from titan_rl.rollout import ClientOptions, RetryPolicy, make_engine_client
     from titan_rl.rollouts import Rollouts
     from titan_rl.step_log import open_metrics
@@ -103,7 +103,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     if owns_ray:
         try:
             with ignoring(signal.SIGINT):  # Ray's processes leave Ctrl-C to this job
-                ray.init(**ray_init_kwargs(cfg.ray, plan))
+                init_ray(**ray_init_kwargs(cfg.ray, plan))
         except SystemExit:  # SIGTERM while Ray started: its handler, not ours, got it
             ray.shutdown()
             print("stopped by SIGTERM while Ray started; rerun the same command", flush=True)
@@ -156,6 +156,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             cleanup.callback(aio.close)
             cleanup.callback(trainers.shutdown)
             cleanup.callback(loop.reward.close)
+            cleanup.callback(_close_tool_workers)
             if engines is not None:
                 cleanup.callback(engines.stop)
             if writer is not None:
@@ -165,6 +166,13 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             if colocation is not None:
                 cleanup.callback(colocation.close)
     return code
+
+
+def _close_tool_workers() -> None:
+    """Stop the worker processes of tools with isolation="process" (rollout hooks' tools)."""
+    from titan_rl.rollout.tools import close_tool_workers
+
+    close_tool_workers()
 
 
 def _train(driver: Driver) -> None:

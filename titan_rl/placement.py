@@ -190,6 +190,8 @@ def engine_launch(cfg: GRPOConfig, backend: str, accelerator: str) -> EngineLaun
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
         enable_memory_saver=e.colocate, api_key=e.api_key,
         num_threads=e.num_threads, log_dir=str(run_dir / "logs"), dtype=e.dtype,
+        chunked_prefill_size=e.chunked_prefill_size,
+        health_timeout_s=e.health_timeout_s,
         enable_return_routed_experts=cfg.rollout.return_routed_experts,
     )  # fmt: skip
 
@@ -318,6 +320,30 @@ def ray_init_kwargs(ray_cfg: RayConfig, plan: PlacementPlan) -> dict[str, Any]:
     if plan.available:  # Ray does not detect every kind (MUSA)
         kwargs.update(_device_request(plan.resource, plan.available))
     return kwargs
+
+
+#: tries of a local Ray's start (see :func:`init_ray`)
+RAY_START_TRIES = 3
+
+
+def init_ray(**kwargs: Any) -> None:
+    """``ray.init(**kwargs)``, tried again when a local Ray's node does not register in time.
+
+    Ray waits a fixed 30 s for its raylet to register with the GCS (``ray._private.node``,
+    no setting), which a busy machine (2 cores starting trainers and engines) can miss; the
+    node then shuts down and a second start usually finds the machine quieter."""
+    import ray
+
+    for attempt in range(1, RAY_START_TRIES + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e) or attempt == RAY_START_TRIES:
+                raise
+            ray.shutdown()
+            print(f"Ray's node did not start in time ({attempt}/{RAY_START_TRIES}); "
+                  "starting it again", flush=True)  # fmt: skip
 
 
 def _device_request(resource: str | None, amount: float) -> dict[str, Any]:

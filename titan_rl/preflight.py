@@ -15,6 +15,7 @@ from titan_core.checkpoint import CheckpointError, latest_iteration
 from titan_core.checkpoint.dist import iteration_dir
 from titan_core.checkpoint.megatron_lm import read_common
 from titan_core.config import ConfigError
+from titan_rl.algo.estimators import GROUP_ESTIMATORS
 from titan_rl.config import GRPOConfig
 from titan_rl.rewards.config import RewardConfig
 
@@ -26,9 +27,6 @@ SHAPE_KEYS = (
     "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "num_moe_experts",
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq",
 )  # fmt: skip
-
-#: advantage estimators that compare the samples of one prompt
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus_baseline")
 
 
 def saved_model_section(load: str | Path) -> dict | None:

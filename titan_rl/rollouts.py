@@ -93,6 +93,7 @@ class Rollouts:
             versions=self.versions(), num_layers=self.cfg.model.num_layers, carried=carried,
         ))  # fmt: skip
         self.carried.put(result.carry)
+        self.reward.check_timeouts(f"step {step}")  # most timed out: warned, or stopped
         if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
             raise RuntimeError(
                 f"step {step}: only {len(result.samples) // r.n_samples_per_prompt} groups passed "
@@ -104,8 +105,10 @@ class Rollouts:
         """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set)."""
         from titan_rl.rollout.generate import evaluate
 
-        return await self._watched(evaluate(
+        acc = await self._watched(evaluate(
             client, self.eval_prompts, self.encode, self.decode,
             self.cfg.rollout.max_response_len, self.stop_ids, self.reward, self.versions(),
             cfg=self.cfg.rollout,
         ))  # fmt: skip
+        self.reward.check_timeouts("evaluation")
+        return acc

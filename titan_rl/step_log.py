@@ -61,6 +61,8 @@ def version_stats(samples: list[Sample], policy_version: str) -> dict[str, float
 def multi_turn_stats(samples: list[Sample]) -> dict[str, float]:
     """Turns and tool use of a multi-turn rollout (titan_rl.rollout.multiturn records them in
     each sample's metadata); nothing for single-turn samples."""
+    from titan_rl.rollout.tools import stuck_calls
+
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
     if not turns:
         return {}
@@ -75,6 +77,11 @@ def multi_turn_stats(samples: list[Sample]) -> dict[str, float]:
         "rollout/tool_error_rate": (
             sum("error" in call for c in calls for call in c) / n_calls if n_calls else 0.0
         ),
+        # the step's tool calls past their timeout (answered with an error)
+        "tools/timeouts": sum(bool(call.get("timed_out")) for c in calls for call in c),
+        # sync calls of the driver that timed out (this step or before) and still run:
+        # threads cannot be stopped (a tool with isolation="process" is killed instead)
+        "tools/stuck": stuck_calls(),
     }
 
 
@@ -97,6 +104,8 @@ def status_line(rec: dict[str, Any], total: int) -> str:
             f"partial: continued {rec['rollout/continued_samples']} / carried "
             f"{rec['rollout/carried_groups']} groups"
         )
+    if rec.get("tools/timeouts") or rec.get("tools/stuck"):
+        parts.append(f"tool timeouts {rec['tools/timeouts']} / stuck {rec['tools/stuck']}")
     if rec.get("reward/timeouts") or rec.get("reward/invalid"):
         parts.append(f"reward timeouts {rec['reward/timeouts']} / invalid {rec['reward/invalid']}")
     if rec.get("engines/resyncs") or rec.get("rollout/stale_samples"):

@@ -155,10 +155,23 @@ class TitanBackend:
                 self.trainer.hf_config,
                 api_key=self.cfg.engines.api_key,
                 device=self.trainer.accel.device(),
+                # the run's own engines are restarted by their supervisors and resynced by
+                # the rollout manager's recovery (adapters.common.engine_recovery); external
+                # ones (miles' --rollout-external) are not
+                supervised=not getattr(self.args, "rollout_external", False),
             )
             self._sync_urls = list(urls)
         step = int(version) if str(version).isdigit() else 0
         return self._sync.sync(self.chunks, step, version=str(version))
+
+    def resync_engines(self, urls: list[str], version: str) -> dict[str, float]:
+        """The weights this trainer holds to the restarted engines at ``urls`` alone, as
+        ``version`` (every rank calls; the rollout manager's ``EngineRecovery`` asks for
+        it when an engine's supervisor restarted it on the start-up weights)."""
+        if self._sync is None:
+            raise RuntimeError("a resync before the first weight update: no engines known")
+        with self.awake(weights_only=True):
+            return self._sync.resync(self.chunks, list(urls), str(version))
 
     def save_hf(self, path: str | Path, assets_from: str | Path | None = None) -> None:
         """An HF directory of the current policy (every rank calls; rank 0 writes):

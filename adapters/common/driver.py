@@ -10,6 +10,8 @@ from typing import Any
 
 #: exit status of a user error (bad config, missing dataset or peer package), as titan_rl's
 EXIT_CONFIG_ERROR = 2
+#: exit status of a run a user's code stopped (an invalid reward, too many reward timeouts)
+EXIT_RUN_ERROR = 1
 
 
 def prepare(args: Any) -> Any:
@@ -153,6 +155,7 @@ def ray_init(args: Any) -> None:
     from adapters.common.config import CONFIG_ENV
     from adapters.slime.runtime_env import runtime_env, slime_installed
     from titan_core.accelerator import get_accelerator
+    from titan_rl.placement import init_ray
 
     if ray.is_initialized():
         return
@@ -166,10 +169,7 @@ def ray_init(args: Any) -> None:
         kwargs["runtime_env"] = runtime_env()
     if get_accelerator().device_type == "cpu":
         kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
-    # a local Ray's raylet may take longer than Ray's default 10 s to register on a busy
-    # machine (2 cores running the engines' and trainers' start-up); Ray's own setting
-    os.environ.setdefault("RAY_raylet_start_wait_time_s", "60")
-    ray.init(**kwargs)
+    init_ray(**kwargs)  # tried again where a busy machine misses Ray's start-up window
 
 
 def status_line(rec: dict[str, Any], total: int) -> str:

@@ -10,8 +10,11 @@ SGLang servers themselves; ``adapters.slime.rollout`` and ``adapters.miles.rollo
 from __future__ import annotations
 
 import asyncio
+import copy
 from collections.abc import Callable
 from typing import Any
+
+from adapters.common import engine_recovery
 
 #: generate requests in flight at once (slime's / miles' --sglang-server-concurrency default)
 CONCURRENCY = 512
@@ -72,33 +75,174 @@ async def generate_and_score(
     generate: Callable,
     rm: Callable,
     context_limit: int | None = None,
+    evaluation: bool = False,
+    pool: Any = None,
 ) -> None:
     """Every sample through ``generate(args, sample, params)`` (at most :data:`CONCURRENCY`
     at once), then scored by ``rm``: per sample, or per group with ``--group-rm``, as slime's
-    and miles' reward hub call a ``--custom-rm-path`` function. Groups are updated in place."""
+    and miles' reward hub call a ``--custom-rm-path`` function; each reward checked
+    (:func:`check_rewards`). Groups are updated in place. With ``pool`` (the run's
+    ``titan_rl.rewards.pool.RewardPool``, :func:`reward_pool`) each call runs in a worker
+    process under ``reward.timeout_s``, as the main job's rewards do."""
     from adapters.common.clients import aclose_clients
 
     sem = asyncio.Semaphore(getattr(args, "sglang_server_concurrency", None) or CONCURRENCY)
+    recovery = engine_recovery.active()
 
     async def one(sample: Any) -> Any:
         async with sem:
-            return await generate(args, sample, _capped(args, sample, params, context_limit))
+            capped = _capped(args, sample, params, context_limit)
+            if recovery is None:
+                return await generate(args, sample, capped)
+            while True:  # a response on other weights (a restarted engine): sent again
+                before = copy.deepcopy(sample)
+                sample = await generate(args, sample, capped)
+                if engine_recovery.is_current(sample, recovery):
+                    return sample
+                engine_recovery.note_resent()
+                sample = before
+                await recovery.ensure_serving()
 
     try:
-        done = await asyncio.gather(*(asyncio.gather(*(one(s) for s in g)) for g in groups))
+        work = asyncio.gather(*(asyncio.gather(*(one(s) for s in g)) for g in groups))
+        done = await (work if recovery is None else recovery.guard(work))
         for g, got in zip(groups, done, strict=True):
             g[:] = list(got)
+        scored = _Scoring(args, rm, pool)
         if args.group_rm:
-            scores = await asyncio.gather(*(rm(args, g) for g in groups))
+            scores = await asyncio.gather(*(scored.call(g, g) for g in groups))
             for g, rewards in zip(groups, scores, strict=True):
+                if rewards is None:  # the group's call timed out
+                    rewards = [scored.timeout_score] * len(g)
                 for s, r in zip(g, rewards, strict=True):
                     s.reward = r
         else:
             flat = [s for g in groups for s in g]
-            for s, r in zip(flat, await asyncio.gather(*(rm(args, s) for s in flat)), strict=True):
-                s.reward = r
+            rewards = await asyncio.gather(*(scored.call(s, [s]) for s in flat))
+            for s, r in zip(flat, rewards, strict=True):
+                s.reward = scored.timeout_score if r is None else r
+        check_rewards(args, [s for g in groups for s in g], evaluation)
+        scored.report(sum(map(len, groups)), "an evaluation" if evaluation else "a rollout")
     finally:
         await aclose_clients()
+        if recovery is not None:  # its connections belong to this event loop
+            await recovery.aclose()
+
+
+class _Scoring:
+    """One rollout's reward calls: through the pool (a timed-out call is None, counted) or,
+    without one, awaited here."""
+
+    def __init__(self, args: Any, rm: Callable, pool: Any) -> None:
+        self.args, self.rm, self.pool = args, rm, pool
+        self.timeouts = 0
+        self.cfg = pool.cfg if pool is not None else None
+        self.timeout_score = self.cfg.timeout_score if self.cfg is not None else 0.0
+        self.path = f"{rm.__module__}.{rm.__qualname__}"
+        if pool is not None and "<" in self.path:
+            raise ValueError(
+                f"{self.path} cannot run in a reward worker: not a module-level function"
+            )
+
+    async def call(self, arg: Any, samples: list[Any]) -> Any:
+        if self.pool is None:
+            return await self.rm(self.args, arg)
+        ok, value = await self.pool.call_hook(
+            self.path, self.args, arg, where=reward_source(self.args), sample=_describe(samples[0])
+        )  # fmt: skip
+        if not ok:
+            self.timeouts += len(samples)
+        return value if ok else None
+
+    def report(self, scored: int, what: str) -> None:
+        """``reward/timeouts``; a warning line, or under ``reward.on_timeouts=stop`` a
+        RewardTimeoutsError, when most calls timed out (the main job's rule)."""
+        global _reward_timeouts
+        if self.cfg is None:
+            return
+        from titan_rl.rewards.pool import timeouts_note
+
+        _reward_timeouts += self.timeouts
+        note = timeouts_note(self.cfg, self.timeouts, scored, what, reward_source(self.args))
+        if note is not None:
+            print(f"warning: {note}", flush=True)
+
+
+#: reward calls that timed out since the last :func:`take_reward_timeouts`
+_reward_timeouts = 0
+_pool: Any = None
+
+
+def reward_pool(args: Any, rm: Callable) -> Any:
+    """This process's reward workers (``titan_rl.rewards.pool.RewardPool`` of the run's
+    ``reward`` section: ``reward.timeout_s``, ``reward.timeout_score``, ``reward.num_workers``,
+    ``reward.on_timeouts``), made on first use; they start with ``rm``'s module (the
+    framework's rm hub) imported."""
+    global _pool
+    if _pool is None:
+        from adapters.common.config import titan_config_from_args
+        from titan_rl.rewards.pool import RewardPool
+
+        _pool = RewardPool(titan_config_from_args(args).reward, preload=[rm.__module__])
+    return _pool
+
+
+def close_reward_pool() -> None:
+    global _pool
+    pool, _pool = _pool, None
+    if pool is not None:
+        pool.close()
+
+
+def take_reward_timeouts() -> int:
+    global _reward_timeouts
+    n, _reward_timeouts = _reward_timeouts, 0
+    return n
+
+
+def reward_source(args: Any) -> str:
+    """The reward as the user named it on the command line (slime's / miles' rm hub calls
+    ``--custom-rm-path`` where given, else scores by ``--rm-type``)."""
+    if getattr(args, "custom_rm_path", None):
+        return f"--custom-rm-path {args.custom_rm_path}"
+    return f"--rm-type {getattr(args, 'rm_type', None)}"
+
+
+def check_rewards(args: Any, samples: list[Any], evaluation: bool) -> None:
+    """Every sample's reward (``--reward-key`` / ``--eval-reward-key`` of a dict) is a bool
+    or a number finite in float32, the trainer's dtype (``1e39`` is inf there); anything
+    else is an InvalidRewardError naming the flag that chose the reward, the value and the
+    sample, raised before the samples are trained or counted."""
+    from titan_rl.rewards.errors import InvalidRewardError
+    from titan_rl.rewards.scorer import checked_score, describe_sample
+
+    key = getattr(args, "eval_reward_key", None) if evaluation else None
+    key = key or getattr(args, "reward_key", None)
+    for s in samples:
+        value = s.reward
+        if key is not None:
+            if not isinstance(value, dict) or key not in value:
+                raise InvalidRewardError(
+                    f"{reward_source(args)} returned {value!r} for {_describe(s)}: the reward "
+                    f"key {key!r} (--reward-key / --eval-reward-key) is not in it"
+                )
+            value = value[key]
+        try:
+            checked_score(value, reward_source(args), describe_sample(*_texts(s)), key)
+        except InvalidRewardError as e:  # without the Titan-config hint
+            raise InvalidRewardError(str(e).split("; fix the function")[0] + "; fix the reward "
+                                     "function (slime and miles train on every sample)") from None  # fmt: skip
+
+
+def _texts(sample: Any) -> tuple[str, str, Any]:
+    prompt = sample.prompt if isinstance(sample.prompt, str) else repr(sample.prompt)
+    return prompt, sample.response or "", sample.label
+
+
+def _describe(sample: Any) -> str:
+    from titan_rl.rewards.scorer import describe_sample
+
+    return describe_sample(*_texts(sample))
 
 
 def summary(args: Any, samples: list[Any], evaluation: bool, truncated: Any) -> dict[str, float]:
@@ -165,8 +309,21 @@ def rollout_groups(
     if evaluation and getattr(args, "eval_max_context_len", None) is not None:
         limit = args.eval_max_context_len
     params = sampling_params(args, evaluation)
-    asyncio.run(generate_and_score(args, groups, params, generate, rm, limit))
+    asyncio.run(
+        generate_and_score(
+            args, groups, params, generate, rm, limit, evaluation, reward_pool(args, rm)
+        )
+    )
     return groups
+
+
+async def _report(recovery: Any) -> dict[str, float]:
+    """The recovery's report on an event loop of its own (a module function: an ``async``
+    method would make the manager an asyncio Ray actor, whose hooks call asyncio.run)."""
+    try:
+        return await recovery.report()
+    finally:
+        await recovery.aclose()
 
 
 class TitanEngines:
@@ -186,6 +343,9 @@ class TitanEngines:
         self.data_source: Any = None
         self.train_parallel_config: dict[str, int] | None = None
         self.metrics: dict[str, float] = {}
+        self.recovery: Any = None
+        self.trainers: list[Any] = []
+        self.weight_version: int | str | None = None
 
     # ---- engines ------------------------------------------------------------------------------
     def start_titan_engines(self, model_path: str) -> tuple[list[str], str]:
@@ -222,7 +382,42 @@ class TitanEngines:
         )  # fmt: skip
         self.engine_group = group
         url = group.start()
+        # the main job's recovery: a restarted engine gets the trainers' weights before it
+        # serves (adapters.common.engine_recovery)
+        self.recovery = group.recovery(self._resync, e.retry_timeout_s)
+        engine_recovery.install(self.recovery)
         return list(group.urls), url
+
+    def set_trainers(self, trainers: list[Any]) -> None:
+        """The trainer ranks' actors (each has ``resync_engines``), for engine recovery."""
+        self.trainers = list(trainers)
+
+    def _resync(self, urls: list[str], version: str) -> dict[str, float]:
+        import ray
+
+        if not self.trainers:
+            raise RuntimeError("no trainer ranks to resync the restarted engines from")
+        return ray.get([t.resync_engines.remote(urls, version) for t in self.trainers])[0] or {}
+
+    def set_weight_version(self, weight_version: int | str) -> None:
+        """The version the trainers just synced: what the rollout accepts from now on."""
+        self.weight_version = weight_version
+        if self.recovery is not None:
+            self.recovery.on_sync(str(weight_version))
+
+    def engine_metrics(self) -> dict[str, float]:
+        """What the rollouts met since the last call: engine restarts by their supervisors
+        (total), resyncs, engines serving, samples sent again for a stale weight version,
+        reward calls that timed out."""
+        out = {
+            "rollout/stale_resent": float(engine_recovery.take_resent()),
+            "reward/timeouts": float(take_reward_timeouts()),
+        }
+        if self.engine_group is None or self.recovery is None:
+            return out
+        out["engines/restarts"] = float(self.engine_group.restarts())
+        out.update(asyncio.run(_report(self.recovery)))
+        return out
 
     def serve(self, urls: list[str], url: str) -> None:
         """Point the framework's router address args at ``url`` (what its generate posts
@@ -296,8 +491,10 @@ class TitanEngines:
         self.onload(["kv_cache", "cuda_graph"])
 
     def dispose(self) -> None:
+        close_reward_pool()
         if (close := getattr(self.data_source, "close", None)) is not None:
             close()
         if self.engine_group is not None:
+            engine_recovery.install(None)
             self.engine_group.stop()
             self.engine_group = None

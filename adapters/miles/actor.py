@@ -235,6 +235,12 @@ class TitanTrainRayActor(_train_actor.TrainRayActor):
         self.metrics.update(metrics)
         return metrics
 
+    def resync_engines(self, urls: list[str], version: str) -> dict[str, float]:
+        """The current weights to engines a supervisor restarted (on the start-up weights),
+        as ``version``; every rank, when the rollout manager's recovery asks."""
+        self._heartbeat.bump()
+        return self.backend.resync_engines(urls, version)
+
     # ---- miles' contract: memory ------------------------------------------------------------------
     def sleep(self, tags: Any = None) -> dict[str, float]:
         """Colocated offload (miles' ``RayTrainGroup.offload``; this actor itself after

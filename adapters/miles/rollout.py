@@ -152,9 +152,6 @@ class TitanRolloutManager(TitanEngines):
     def health_monitoring_pause(self) -> None:
         """miles pauses its engine health monitors around a weight update; none run here."""
 
-    def set_weight_version(self, weight_version: int) -> None:
-        self.weight_version = weight_version
-
     def get_weight_version(self) -> int | None:
         """The version rank 0 reported after the last weight update."""
         return self.weight_version
@@ -174,6 +171,7 @@ class TitanRolloutManager(TitanEngines):
         out = self.generate_rollout(self.args, rollout_id, self.data_source, evaluation=False)
         samples = getattr(out, "samples", out)
         self.metrics = dict(getattr(out, "metrics", None) or {})
+        self.metrics.update(self.engine_metrics())  # restarts, resyncs, stale samples resent
         data, metadata = _rollout_conv.postprocess_rollout_data(
             self.args, samples, train_parallel_config=self.train_parallel_config
         )

@@ -44,13 +44,23 @@ from typing import Any
 
 from adapters.common.driver import (
     EXIT_CONFIG_ERROR,
+    EXIT_RUN_ERROR,
     finish_run,
     prepare,
     ray_init,
     start_policy,
     status_line,
 )
+from adapters.common.job import (
+    RolloutProgress,
+    await_or_stop,
+    job_services,
+    ray_init_under,
+    stop_manager,
+    stopped_line,
+)
 from titan_core.config import ConfigError
+from titan_core.signals import StopSignals
 
 #: trainer actors' share of a bundle's device, as miles' allocate_train_group asks
 NUM_GPUS_PER_ACTOR = 0.4
@@ -233,6 +243,17 @@ async def build_trainer_group(
 
 
 async def train(args: Any) -> int:
+    check_supported(args)
+    cfg = prepare(args)
+    run_dir = start_policy(args, cfg)
+    with job_services(run_dir, args.save) as stop:
+        if stop.requested is not None:
+            print(f"stopped by {stop.name} before RL started; rerun the same command", flush=True)
+            return stop.exit_code
+        return await _train(args, cfg, run_dir, stop)
+
+
+async def _train(args: Any, cfg: Any, run_dir: Any, stop: StopSignals) -> int:
     import ray
 
     from adapters.common.tracking import Tracking
@@ -240,40 +261,58 @@ async def train(args: Any) -> int:
     from adapters.peers import import_peer
     from titan_core.training.metrics import MetricsWriter
 
-    check_supported(args)
-    run_dir = start_policy(args, prepare(args))
-    ray_init(args)
+    ray_init_under(stop, lambda: ray_init(args))
     tracking = Tracking(args, "miles", run_dir)  # miles' wandb / TensorBoard / MLflow / Prometheus
     import_peer("miles.utils.object_store").init_instance(args, contribute_segment=False)
     pgs = create_placement_groups(args)
     manager = ray.remote(TitanRolloutManager).options(num_cpus=0).remote(args, pgs["rollout"])
+    manager_busy = False  # killed mid-rollout by a stop signal: no dispose
     writer = None
     actors: list[Any] = []
     try:
         group, actors = await build_trainer_group(args, pgs, manager)
+        await manager.set_trainers.remote(actors)
         await manager.start_engines.remote(args.hf_checkpoint)
         await group.update_weights()  # miles' first step: the engines serve the policy
         start, total = args.start_rollout_id, args.num_rollout
+        progress = RolloutProgress(start)
         # a resumed run drops the records of rollouts after its checkpoint (run again)
         writer = MetricsWriter(run_dir / "metrics.jsonl", truncate_after=start)
         if start == 0 and args.eval_interval is not None and not args.skip_eval_before_train:
-            ev = await manager.eval.remote(0)
-            writer.write({"step": 0, **ev})
-            tracking.log({"step": 0, **ev})
-            print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
+            done, ev = await await_or_stop(manager.eval.remote(0), stop)
+            manager_busy = not done
+            if done:
+                writer.write({"step": 0, **ev})
+                tracking.log({"step": 0, **ev})
+                print(f"rollout    0 | eval acc {ev.get('eval/accuracy', 0.0):.3f} (before RL)")
         last = time.perf_counter()
         for rollout_id in range(start, total):
+            if stop.requested is not None:
+                break
             t0 = time.perf_counter()
-            pack = await manager.generate.remote(rollout_id)
+            done, pack = await await_or_stop(manager.generate.remote(rollout_id), stop)
+            if not done:  # the rollout is abandoned; the last completed one is saved
+                manager_busy = True
+                break
             rec: dict[str, Any] = {"step": rollout_id + 1, **await manager.get_metrics.remote()}
+            # the prompts' position after this rollout, beside any checkpoint of it (also
+            # the one a stop signal saves)
+            await manager.save.remote(rollout_id)
             if args.colocate:
                 await manager.offload.remote()
             t1 = time.perf_counter()
             await group.train(rollout_id, pack)
+            progress.completed = rollout_id
             t2 = time.perf_counter()
             if args.save_interval and (rollout_id + 1) % args.save_interval == 0:
                 await group.save_model(rollout_id)
-                await manager.save.remote(rollout_id)
+                progress.saved = rollout_id
+            if stop.requested is not None:  # trained: recorded and saved, no sync or eval
+                rec.update(await actors[0].get_metrics.remote())
+                rec.update({"time/rollout": t1 - t0, "time/train": t2 - t1})
+                writer.write(rec)
+                tracking.log(rec)
+                break
             if args.colocate:
                 await group.offload()
                 await manager.onload_weights.remote()
@@ -284,7 +323,9 @@ async def train(args: Any) -> int:
             t4 = time.perf_counter()
             rec.update(await actors[0].get_metrics.remote())
             if args.eval_interval and (rollout_id + 1) % args.eval_interval == 0:
-                rec.update(await manager.eval.remote(rollout_id))
+                done, ev = await await_or_stop(manager.eval.remote(rollout_id), stop)
+                manager_busy = not done
+                rec.update(ev or {})
             t5 = time.perf_counter()
             rec.update({
                 "time/rollout": t1 - t0, "time/train": t2 - t1, "time/sync": t4 - t3,
@@ -294,6 +335,12 @@ async def train(args: Any) -> int:
             writer.write(rec)
             tracking.log(rec)
             print(status_line(rec, total), flush=True)
+        if stop.requested is not None:
+            if progress.needs_save(cfg.run.save_on_signal):
+                await group.save_model(progress.completed, force_sync=True)
+                progress.saved = progress.completed
+            print(stopped_line(stop, progress, args.save, cfg.run.save_on_signal), flush=True)
+            return stop.exit_code
         if total > start:
             await group.save_model(total - 1, force_sync=True)
             await manager.save.remote(total - 1)
@@ -306,7 +353,10 @@ async def train(args: Any) -> int:
         tracking.finish()
         # the ranks leave their process groups before Ray ends their processes
         await asyncio.gather(*(a.shutdown.remote() for a in actors))
-        await manager.dispose.remote()
+        if manager_busy:
+            stop_manager(manager)
+        else:
+            await manager.dispose.remote()
         ray.shutdown()
     return 0
 
@@ -315,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     from adapters.miles.arguments import parse_args
     from adapters.peers import PeerImportError
     from titan_rl.data import DatasetError
+    from titan_rl.rewards.errors import RewardError
 
     args = parse_args(argv)
     try:
@@ -322,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PeerImportError, DatasetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
+    except RewardError as e:  # from the rollout manager (a Ray error wrapping it)
+        print(f"error: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return EXIT_RUN_ERROR
 
 
 if __name__ == "__main__":

@@ -126,7 +126,17 @@ class TitanTrainActor(_train_actor.TrainRayActor):
         engines, *_ = ray.get(self.rollout_manager.get_updatable_engines_and_lock.remote())
         if not engines:
             return {}
-        return self.backend.update_engines(engine_urls(list(engines)), self.weight_version)
+        metrics = self.backend.update_engines(engine_urls(list(engines)), self.weight_version)
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:  # the version the rollout now accepts (and a resync sends)
+            ray.get(self.rollout_manager.set_weight_version.remote(self.weight_version))
+        return metrics
+
+    def resync_engines(self, urls: list[str], version: str) -> dict[str, float]:
+        """The current weights to engines a supervisor restarted (on the start-up weights),
+        as ``version``; every rank, when the rollout manager's recovery asks."""
+        return self.backend.resync_engines(urls, version)
 
     def sleep(self, tags: Any = None) -> dict[str, float]:
         """Colocated offload (slime's ``RayTrainGroup.offload``, and this actor itself under

@@ -141,6 +141,7 @@ class TitanRolloutManager(TitanEngines):
         while samples and isinstance(samples[0], list):
             samples = list(itertools.chain.from_iterable(samples))
         self.metrics = dict(out.metrics or {})
+        self.metrics.update(self.engine_metrics())  # restarts, resyncs, stale samples resent
         # slime's own dump (--save-debug-rollout-data), where slime's manager writes it
         _debug.save_debug_rollout_data(
             self.args.save_debug_rollout_data, samples, rollout_id=rollout_id, evaluation=False

@@ -364,7 +364,7 @@ ELSEWHERE: dict[str, str] = {
                     "test_slime_actor.py::test_train_and_sync_under_slime_group"),
     **dict.fromkeys(["rollout_external", "rollout_external_engine_addrs",
                      "update_weight_transfer_mode"],
-                    "test_miles.py::test_driver_runs_miles_loop"),
+                    "test_miles.py::test_train_sync_and_export_under_miles_group"),
     **dict.fromkeys(["sglang_pp_size", "sglang_pipeline_parallel_size"],
                     "test_flag_table.py::test_refused_value_of_an_honoured_flag"),
     **dict.fromkeys(["rollout_max_context_len", "eval_max_context_len", "sglang_server_concurrency",
@@ -452,7 +452,7 @@ def test_context_cap_concurrency_and_eval_reward_key() -> None:
         return {"score": 0.25, "acc": 1.0}
 
     groups = [[Sample(tokens=list(range(10))) for _ in range(3)]]
-    asyncio.run(generate_and_score(args, groups, {"max_new_tokens": 8}, generate, rm, 12))
+    asyncio.run(generate_and_score(args, groups, {"max_new_tokens": 8}, generate, rm, 12, True))
     assert most == 1 and seen == [2, 2, 2]  # --sglang-server-concurrency 1; the context cap
     assert summary(args, groups[0], True, None)["eval/reward"] == 0.25  # --eval-reward-key
 

@@ -5,7 +5,8 @@ miles' ``Sample`` -> miles' ``postprocess_rollout_data`` / ``convert_samples_to_
 ``RayTrainGroup`` (DP=2); ``update_weights`` with the ``EnginesAndLock`` of the rollout
 manager brings Titan's built-in engine to the new weight version at logprob parity;
 ``export_hf`` writes a directory transformers loads; a missing miles module is a
-``PeerImportError`` naming miles; ``python -m adapters.miles.train`` runs miles' loop.
+``PeerImportError`` naming miles. ``python -m adapters.miles.train`` (miles' loop, synced at
+parity every rollout) runs in tests/adapters/test_driver_faults.py and test_miles_scripts.py.
 The policy is a tiny random llama (policy.format=hf), so nothing is pretrained.
 """
 
@@ -14,9 +15,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.util
-import json
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,39 +322,3 @@ def test_delayed_split_and_local_schedule(miles_job: tuple[Any, Any, Any, list[A
     for s in shards:  # 4 samples a rank: 2 steps of 2, one micro-batch of 2 each
         assert s["num_microbatches"] == [1, 1] and s["micro_batch_indices"] == [[0, 1], [2, 3]]
         assert len(s["total_lengths"]) == 4  # miles' shard completion ran
-
-
-# ---- the driver ----------------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_driver_runs_miles_loop(tiny_model: Path, tmp_path: Path) -> None:
-    """``python -m adapters.miles.train``: miles' loop with Titan's ranks and a built-in
-    engine the rollout manager starts; two rollouts, each synced at parity; the records also
-    in miles' TensorBoard (``--use-tensorboard``), at miles' steps (the rollout's id)."""
-    run = tmp_path / "run"
-    cmd = [
-        sys.executable, "-m", "adapters.miles.train",
-        "--titan-config", str(_titan_yaml(tmp_path / "titan.yaml", tiny_model, run)),
-        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
-        "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
-        "--hf-checkpoint", str(tiny_model), "--save", str(tmp_path / "ckpt"),
-        "--custom-rm-path", "adapters.slime.rewards.exact_match", "--eval-interval", "2",
-        "--use-tensorboard",
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               TENSORBOARD_DIR=str(tmp_path / "tb"))  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for r in rows[1:]:
-        assert 0.0 <= r["reward/mean"] <= 1.0 and r["train/steps"] == 1.0
-        assert r["sync/logprob_abs_diff_max"] < 1e-4, r
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
-    assert (run / "reward.png").is_file() and (tmp_path / "ckpt").is_dir()
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    tb = EventAccumulator(str(tmp_path / "tb"))
-    tb.Reload()
-    for key, steps in (("reward/mean", [1, 2]), ("eval/accuracy", [0, 2])):
-        got = [(e.step, e.value) for e in tb.Scalars(key)]
-        assert got == [(max(s - 1, 0), pytest.approx(rows[s][key])) for s in steps], key

@@ -141,6 +141,29 @@ def test_tp2_equals_tp1(clients: dict, kind: str, seed: int = 3) -> None:
             np.testing.assert_array_equal(routed(a), routed(b))
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tp2_chunked_prefill_equals_tp1_whole(clients: dict, kind: str, seed: int = 4) -> None:
+    """Every TP rank's runner takes the prompt's chunks (``--chunked-prefill-size``): prompts
+    prefilled 8 tokens an iteration at TP=2 give TP=1's whole-prompt output and experts."""
+    moe = kind == "moe"
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB - 1, size=n).tolist() for n in (50, 9, 23)]
+    engine = clients[kind, 2].app.state.server.engine
+    size = engine.chunked_prefill_size
+    engine.call(lambda: setattr(engine, "chunked_prefill_size", 8)).result(timeout=30)
+    try:
+        chunks = engine.prefill_chunks
+        two = generate(clients[kind, 2], prompts, moe)
+        assert engine.prefill_chunks - chunks >= 50 // 8 + 23 // 8
+    finally:
+        engine.call(lambda: setattr(engine, "chunked_prefill_size", size)).result(timeout=30)
+    one = generate(clients[kind, 1], prompts, moe)
+    assert max_diff(one, two) < TOL
+    if moe:
+        for a, b in zip(one, two, strict=True):
+            np.testing.assert_array_equal(routed(a), routed(b))
+
+
 def test_server_info_reports_tp_size(clients: dict) -> None:
     for (_, tp), client in clients.items():
         assert client.get("/get_server_info").json()["tp_size"] == tp

@@ -48,3 +48,23 @@ def test_tensors_assigned_from_outside_are_adopted() -> None:
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     grow.reset()
     assert grow.get_seq_length() == 0
+
+
+def test_reserved_layer_takes_a_prompt_in_chunks_without_copies() -> None:
+    """A prompt prefilled in chunks into a layer reserved for its length: one buffer, the
+    same keys and values as HF's layer; decode steps after it grow it as before."""
+    grow, ref = GrowingLayer(reserve=50), DynamicLayer()
+    ptrs = set()
+    for step, n in enumerate((16, 16, 16, 2)):
+        k, v = _kv(2, n, step)
+        got, want = grow.update(k, v), ref.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        ptrs.add(grow.keys.data_ptr())
+    assert len(ptrs) == 1 and grow._kbuf.shape[2] == 50
+    k, v = _kv(2, 1, 9)  # past the reserve: grown with spare room
+    got, want = grow.update(k, v), ref.update(k, v)
+    assert torch.equal(got[0], want[0]) and grow._kbuf.shape[2] >= 51 + MIN_SPARE
+    # a whole prompt no longer than the reserve's first update is taken as HF's layer does
+    small = GrowingLayer(reserve=4)
+    k, v = _kv(1, 4, 10)
+    assert torch.equal(small.update(k, v)[0], k)

@@ -119,7 +119,7 @@ def test_a_failing_and_a_hanging_tool_answer_errors_and_the_rollout_completes() 
     assert s.status == Status.COMPLETED and s.metadata["turns"] == 3
     assert s.metadata["tool_calls"] == [
         {"name": "boom", "args": "x", "error": "RuntimeError: no x"},
-        {"name": "hang", "args": "y", "error": "timed out after 0.2 s"},
+        {"name": "hang", "args": "y", "error": "timed out after 0.2 s", "timed_out": True},
     ]
     e1, e2 = encode("ERROR: RuntimeError: no x"), encode("ERROR: timed out after 0.2 s")
     assert s.response_tokens == t1 + e1 + t2 + e2 + t3

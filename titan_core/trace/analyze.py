@@ -29,7 +29,7 @@ from titan_core.trace.gc_pause import gc_paused
 from titan_core.trace.intervals import median
 from titan_core.trace.matching import op_keys, participants
 from titan_core.trace.moe_load import moe_load_rows
-from titan_core.trace.parse import TraceError, find_trace_files
+from titan_core.trace.parse import SUMMARY_FORMAT, TraceError, find_trace_files
 from titan_core.trace.pipeline import pipeline_groups, pipeline_report, resolve_peers
 from titan_core.trace.stragglers import slow_ranks
 
@@ -98,10 +98,13 @@ def load_ranks(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     use_ray: bool = False,
+    exclude: tuple[str | Path, ...] | list[str | Path] = (),
 ) -> tuple[list[RankResult], list[dict[str, str]]]:
-    """Parse and reduce every trace file; returns results and the problem files."""
+    """Parse and reduce every trace file (but those below the folders in ``exclude``, see
+    :func:`~titan_core.trace.parse.find_trace_files`); returns results and the problem
+    files."""
     cfg = cfg or TraceConfig()
-    files = [str(p) for p in find_trace_files(trace_dir)]
+    files = [str(p) for p in find_trace_files(trace_dir, exclude)]
     cache = None if cache_dir is None else str(cache_dir)
     workers = workers or os.cpu_count() or 1
     raw: list[Any] = []
@@ -289,6 +292,7 @@ def build_summary(
         key=lambda x: -x["sum_us"],
     )[:30]
     return {
+        "format": SUMMARY_FORMAT,  # first: how a later run knows this file for a report
         "num_ranks": len(results),
         "problems": problems,
         "ranks": [_rank_entry(r) for r in results],
@@ -310,12 +314,15 @@ def analyze_traces(
     progress: bool = True,
     use_ray: bool = False,
     pp: int | None = None,
+    exclude: tuple[str | Path, ...] | list[str | Path] = (),
 ) -> tuple[dict[str, Any], list[RankResult]]:
     """What ``python -m titan_core.trace analyze`` computes: :func:`load_ranks` then
     :func:`build_summary`, with the cyclic GC paused across both (turned back on between
     them, it would at once rescan every result just built). Returns the summary and the
     per-rank results (the report draws from both)."""
-    results, problems = load_ranks(trace_dir, cfg, workers, cache_dir, progress, use_ray)
+    results, problems = load_ranks(
+        trace_dir, cfg, workers, cache_dir, progress, use_ray, exclude=exclude
+    )
     summary = build_summary(results, problems, pp=pp)
     traced = {s.step for r in results for s in r.steps}
     summary["moe_load"] = moe_load_rows(trace_dir, traced or None)  # the run's metrics.jsonl

@@ -43,6 +43,8 @@ class StepStats:
     kernel_wait: int = 0
     other_wait: int = 0
     microbatches: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+    #: first computation start and last computation end inside the window (None: none)
+    compute_span: tuple[int, int] | None = None
     #: RL phase -> microseconds inside this step (titan/rl/<phase> ranges)
     phases: dict[str, int] = field(default_factory=dict)
 
@@ -318,7 +320,8 @@ def _step_stats(
     out = []
     thr = cfg.kernel_wait_threshold_us
     for n, lo, hi in windows:
-        comp = iv.total(iv.clip(sets[0], lo, hi))
+        comp_in = iv.clip(sets[0], lo, hi)
+        comp = iv.total(comp_in)
         comm = iv.total(iv.clip(sets[1], lo, hi))
         either = iv.total(iv.clip(union_cc, lo, hi))
         active = iv.clip(union_all, lo, hi)
@@ -334,6 +337,7 @@ def _step_stats(
             overlap=comp + comm - either,
             comm_total=comm,
             microbatches=[m for m in mbs if lo <= m[3] < hi],
+            compute_span=(comp_in[0][0], comp_in[1][-1]) if comp_in[0] else None,
         )
         gs, ge = iv.gaps(active, lo, hi)
         if len(gpu) and len(gs):

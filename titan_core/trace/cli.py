@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.quiet,
         use_ray=args.ray,
         pp=args.pp,
+        exclude=[args.out],  # the reports of earlier runs, when --out lies inside the traces
     )
     problems = summary["problems"]
     out = Path(args.out)

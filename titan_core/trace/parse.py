@@ -34,7 +34,15 @@ from titan_core.trace.reader import TraceError, Unsplittable, kineto_layout, tex
 from titan_core.trace.schema import as_int
 from titan_core.trace.stream import read_events, read_events_split
 
-__all__ = ["Events", "RankTrace", "TraceError", "find_trace_files", "parse_file"]
+__all__ = [
+    "SUMMARY_FORMAT",
+    "Events",
+    "RankTrace",
+    "TraceError",
+    "find_trace_files",
+    "is_own_report",
+    "parse_file",
+]
 
 #: a file whose text is at least this large is decoded by several processes at once when
 #: there are cores to spare (forking one and sending its columns back costs a few ms, what
@@ -44,17 +52,47 @@ SPLIT_MIN_TEXT_BYTES = 4 << 20
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.I)
 
 
-def find_trace_files(trace_dir: str | Path) -> list[Path]:
+#: the first key of the analyzer's own ``summary.json``, by which it knows its reports
+SUMMARY_FORMAT = "titan-trace-summary/1"
+#: how the analyzer's own ``summary.json`` opens: with the format key, or (written before
+#: there was one) with its first key, ``num_ranks``; no Kineto trace opens with either
+_OWN_REPORT = re.compile(
+    rb'^\s*\{\s*"(?:format"\s*:\s*"%s/|num_ranks"\s*:)'
+    % re.escape(SUMMARY_FORMAT.partition("/")[0].encode())
+)
+
+
+def is_own_report(path: str | Path) -> bool:
+    """Whether ``path`` is a ``summary.json`` the analyzer wrote (never a trace)."""
+    if not str(path).endswith(".json"):
+        return False  # the analyzer writes its summary uncompressed
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return False
+    return _OWN_REPORT.match(head) is not None
+
+
+def find_trace_files(
+    trace_dir: str | Path, exclude: tuple[str | Path, ...] | list[str | Path] = ()
+) -> list[Path]:
     """All ``*.json`` / ``*.json.gz`` files below ``trace_dir`` (sorted; symlinked folders
-    are not followed). ``os.walk`` rather than ``Path.rglob``: the latter's first call
-    alone takes a few ms, about what analyzing a small trace does."""
+    are not followed), but for the folders in ``exclude`` (e.g. the report folder, when it
+    lies inside ``trace_dir``; ``trace_dir`` itself is never left out) and the analyzer's
+    own reports (:func:`is_own_report`), wherever they are. ``os.walk`` rather than
+    ``Path.rglob``: the latter's first call alone takes a few ms, about what analyzing a
+    small trace does."""
     root = Path(trace_dir)
     if root.is_file():
         return [root]
+    skip = {os.path.realpath(x) for x in exclude} - {os.path.realpath(root)}
     files = []
-    for folder, _dirs, names in os.walk(root):
+    for folder, dirs, names in os.walk(root):
+        if skip:
+            dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in skip]
         files += [Path(folder, n) for n in names if n.endswith((".json", ".json.gz"))]
-    return sorted(p for p in files if p.is_file())
+    return sorted(p for p in files if p.is_file() and not is_own_report(p))
 
 
 def _parse(p: Path, cfg: TraceConfig, cpu_ops: bool, parts: int = 1) -> tuple[Events, Any, Any]:

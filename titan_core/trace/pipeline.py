@@ -4,6 +4,12 @@ Groups come from the process groups in the traces (``pg_desc`` naming the pipeli
 else from Megatron's rank layout (``--pp``; PP is the outermost dimension of the default
 ``tp-cp-ep-dp-pp`` order, so group g is ranks g, g + W/PP, g + 2W/PP, ...), else from the
 P2P traffic itself (connected ranks, ordered by rank).
+
+Bubbles are measured per step over the group's window on the common clock
+(:func:`_group_windows`: the windows of successive steps never overlap, although the
+ranks' own steps do) and, with Titan's microbatch ranges, over the schedule itself (first
+microbatch start to last microbatch end); a stage's bubble is the part of a window in which
+it computes nothing.
 """
 
 from __future__ import annotations
@@ -12,8 +18,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from titan_core.trace import intervals as iv
 from titan_core.trace.breakdown import RankResult
-from titan_core.trace.intervals import mean, median
+from titan_core.trace.intervals import Intervals, mean, median
 
 
 def pipeline_groups(results: list[RankResult], pp: int | None = None) -> list[list[int]]:
@@ -138,16 +145,93 @@ class _Step:
     end: int
     computation: int
     microbatches: list[tuple[int, int]]
+    #: first computation start and last computation end in the step (None: none)
+    span: tuple[int, int] | None
 
 
 def _on_common_clock(r: RankResult, offset: float) -> dict[int, _Step]:
     o = round(offset)
     return {
         s.step: _Step(
-            s.start - o, s.end - o, s.computation, [(a - o, b - o) for *_, a, b in s.microbatches]
+            s.start - o,
+            s.end - o,
+            s.computation,
+            [(a - o, b - o) for *_, a, b in s.microbatches],
+            None if s.compute_span is None else (s.compute_span[0] - o, s.compute_span[1] - o),
         )
         for s in r.steps
     }
+
+
+def _first_work(sts: list[_Step]) -> int:
+    """Where the members' step starts: its first computation (the ranks' own step ranges
+    may open with a receive posted long before its data comes); without any, its start."""
+    spans = [st.span[0] for st in sts if st.span]
+    return min(spans) if spans else min(st.start for st in sts)
+
+
+def _group_windows(members: list[dict[int, _Step]], steps: set[int]) -> dict[int, tuple[int, int]]:
+    """Per step the group's window on the common clock: from the step's first computation
+    on any member to the next step's first computation on any member (the step's tail, its
+    all-reduce and optimizer, is the step's); the last step to its last member's end.
+
+    Each rank's own step range ends where its next step begins, and those ranges overlap
+    across a pipeline: in 1F1B a stage that is done with a step posts the next step's
+    receives while the stages before it still run their backwards. A window spanning the
+    members' own ranges would take in the next step's work; these windows never overlap."""
+    numbers = sorted({n for m in members for n in m})
+    first = [_first_work([m[n] for m in members if n in m]) for n in numbers]
+    # the earliest first computation of any later step (suffix minima)
+    later: dict[int, int | None] = {}
+    low: int | None = None
+    for n, t in zip(reversed(numbers), reversed(first), strict=True):
+        later[n] = low
+        low = t if low is None else min(low, t)
+    out = {}
+    for n in sorted(steps):
+        sts = [m[n] for m in members]
+        lo = _first_work(sts)
+        hi = later[n]
+        if hi is None:  # the last step: to the end of the group's last event
+            hi = max(max(st.end, st.span[1] if st.span else st.end) for st in sts)
+        elif hi <= lo:  # a later step computes before this one: the members' own ranges
+            hi = max(st.end for st in sts)
+        out[n] = (lo, max(hi, lo + 1))
+    return out
+
+
+def _busy_in(steps: dict[int, _Step], coarse: Intervals, offset: float, lo: int, hi: int) -> int:
+    """A rank's computation in [lo, hi): its steps' computation when each step's lies
+    wholly inside or outside; when one straddles an end (its work ran past the next step's
+    first computation elsewhere), measured on the rank's coarse compute intervals (gaps
+    under 20 us count as computation)."""
+    busy = 0
+    for st in steps.values():
+        if st.span is None or st.span[1] <= lo or st.span[0] >= hi:
+            continue
+        if st.span[0] < lo or st.span[1] > hi:
+            o = round(offset)
+            return iv.total(iv.clip(coarse, lo + o, hi + o))
+        busy += st.computation
+    return busy
+
+
+def _microbatch_extents(steps: dict[int, _Step]) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """Per step with microbatch ranges: their first start, last end, and the ranges."""
+    return [
+        (min(a for a, _ in st.microbatches), max(b for _, b in st.microbatches), st.microbatches)
+        for st in steps.values()
+        if st.microbatches
+    ]
+
+
+def _microbatches_in(
+    extents: list[tuple[int, int, list[tuple[int, int]]]], lo: int, hi: int
+) -> list[tuple[int, int]]:
+    """A rank's microbatch ranges, of any step, that reach into [lo, hi)."""
+    return [
+        ab for a, b, mbs in extents if b > lo and a < hi for ab in mbs if ab[1] > lo and ab[0] < hi
+    ]
 
 
 def _schedule_windows(
@@ -178,30 +262,40 @@ def pipeline_report(
         m, v = _microbatch_count(ranks[0])
         members = [_on_common_clock(r, offsets.get(r.rank, 0.0)) for r in ranks]
         steps_common = set.intersection(*[set(x) for x in members])
-        windows = {
-            n: (min(x[n].start for x in members), max(x[n].end for x in members))
-            for n in steps_common
-        }
+        windows = _group_windows(members, steps_common)
         # With Titan's microbatch ranges, the bubble is measured over the schedule itself
         # (first microbatch start to last microbatch end across the group), as the
         # schedule's theoretical ratio counts it; the whole-step figure stays beside it.
         sched = _schedule_windows(members, steps_common)
         stages = []
         for si, (r, steps) in enumerate(zip(ranks, members, strict=True)):
-            ratios, step_ratios, bubble = [], [], 0
+            ratios, step_ratios, bubble, by_step = [], [], 0, []
+            off = offsets.get(r.rank, 0.0)
+            extents = _microbatch_extents(steps)
             for n in sorted(steps_common):
-                st = steps[n]
                 lo, hi = windows[n]
-                step_idle = (hi - lo) - st.computation
+                busy = _busy_in(steps, r.compute_coarse, off, lo, hi)
+                step_idle = max(0, (hi - lo) - busy)
                 step_ratios.append(step_idle / max(1, hi - lo))
                 if n in sched:
+                    # the rank's microbatches of any step inside the window count as busy
                     slo, shi = sched[n]
-                    idle = (shi - slo) - _union_length(st.microbatches, slo, shi)
+                    idle = (shi - slo) - _union_length(
+                        _microbatches_in(extents, slo, shi), slo, shi
+                    )
                     ratios.append(idle / max(1, shi - slo))
                 else:
                     idle = step_idle
                     ratios.append(step_ratios[-1])
                 bubble += idle
+                by_step.append(
+                    {
+                        "step": n,
+                        "bubble_ratio": round(ratios[-1], 4),
+                        "step_bubble_ratio": round(step_ratios[-1], 4),
+                        "bubble_us": int(idle),
+                    }
+                )
             stages.append(
                 {
                     "stage": si,
@@ -210,6 +304,7 @@ def pipeline_report(
                     "step_bubble_ratio": round(mean(step_ratios), 4) if step_ratios else None,
                     "bubble_us": int(bubble / max(1, len(ratios))),
                     "compute_us": int(mean([steps[n].computation for n in steps_common] or [0])),
+                    "by_step": by_step,
                 }
             )
         theory = theoretical_bubble(len(g), m, v)

@@ -5,7 +5,12 @@ Used by the tests (bubbles, slow rank and critical path known by construction) a
 cool-down backwards) with one NCCL P2P kernel per transfer, a data-parallel all-reduce at
 the end of the step, ProfilerStep ranges and Titan's microbatch ranges; ``filler`` adds
 realistic numbers of small compute kernels (with their launches) per microbatch,
-``clock_skew`` a known clock offset per rank, ``p2p_jitter`` uneven transfer times.
+``clock_skew`` a known clock offset per rank, ``p2p_jitter`` uneven transfer times, and
+``packed`` steps without a barrier between them (each rank starts its next step as soon as
+its own all-reduce is done, so the later stages post the next step's receives while the
+first stages still run this step's backwards, and the ranks' step ranges overlap),
+``optimizer`` compute after a rank's all-reduce, ``microbatch_ranges=False`` traces without
+Titan's microbatch ranges (as other trainers write them).
 """
 
 from __future__ import annotations
@@ -42,10 +47,16 @@ def simulate(
     slow: dict[int, float] | None = None,
     p2p_jitter: float = 0.0,
     seed: int = 0,
+    packed: bool = False,
+    optimizer: dict[int, float] | None = None,
 ) -> dict[int, list[dict[str, Any]]]:
     """Event-level simulation: per rank the list of (kind, start, end, ...) segments.
-    Each P2P transfer takes 20 us plus a uniform draw from [0, ``p2p_jitter``)."""
+    Each P2P transfer takes 20 us plus a uniform draw from [0, ``p2p_jitter``). After
+    its data-parallel all-reduce a rank runs ``optimizer[rank]`` us of optimizer compute
+    (none by default). Steps start together after a barrier, or with ``packed`` each
+    rank's 100 us after its own previous step's end."""
     slow = slow or {}
+    optimizer = optimizer or {}
     rng = random.Random(seed)
     t_ar = 500.0
 
@@ -55,15 +66,16 @@ def simulate(
     world = pp * dp
     out: dict[int, list[dict[str, Any]]] = {r: [] for r in range(world)}
     t0 = 1_000_000.0
+    starts = {r: t0 for r in range(world)}  # each rank's next step start
     for step in range(steps):
-        step_start = {r: t0 for r in range(world)}
+        step_start = dict(starts) if packed else {r: t0 for r in range(world)}
         step_end = {}
         for d in range(dp):
             ranks = [d + k * dp for k in range(pp)]
             fwd_done: dict[tuple[int, int], float] = {}
             bwd_done: dict[tuple[int, int], float] = {}
             xfer: dict[tuple[str, int, int], float] = {}  # (phase, sender stage, mb) -> time
-            clock = {s: t0 for s in range(pp)}
+            clock = {s: step_start[ranks[s]] for s in range(pp)}
             scheds = {s: _schedule(pp, m, s) for s in range(pp)}
             ptr = {s: 0 for s in range(pp)}
             while any(ptr[s] < len(scheds[s]) for s in range(pp)):
@@ -77,7 +89,7 @@ def simulate(
                     if kind == "fwd":
                         if s > 0 and (s - 1, mb) not in fwd_done:
                             continue
-                        ready = fwd_done.get((s - 1, mb), t0) if s > 0 else clock[s]
+                        ready = fwd_done[(s - 1, mb)] if s > 0 else clock[s]
                         if s > 0:
                             rs = clock[s]
                             t_p2p = xfer[("fwd", s - 1, mb)]
@@ -162,9 +174,14 @@ def simulate(
                     }
                 )
                 step_end[r] = start + t_ar
+                if optimizer.get(r):  # the rank's optimizer step: one compute kernel
+                    a, b = step_end[r], step_end[r] + optimizer[r]
+                    out[r].append({"k": "opt", "ts": a, "end": b, "step": step})
+                    step_end[r] = b
         t_next = max(step_end.values()) + 100.0
         for r in range(world):
-            out[r].append({"k": "step", "ts": step_start[r], "end": t_next - 50.0, "step": step})
+            starts[r] = step_end[r] + 100.0 if packed else t_next
+            out[r].append({"k": "step", "ts": step_start[r], "end": starts[r] - 50.0, "step": step})
         t0 = t_next
     return out
 
@@ -183,12 +200,18 @@ def write_job(
     cpu: bool = False,
     p2p_jitter: float = 0.0,
     seed: int = 0,
+    packed: bool = False,
+    microbatch_ranges: bool = True,
+    optimizer: dict[int, float] | None = None,
 ) -> dict[int, list[dict[str, Any]]]:
     """Write one trace per rank; ``filler`` small kernels (with launches) per microbatch
     phase make the per-rank event count realistic; ``clock_skew`` (us per rank) is added
-    to all of a rank's timestamps; ``p2p_jitter`` and ``seed``: see :func:`simulate`.
+    to all of a rank's timestamps; ``p2p_jitter``, ``seed``, ``packed`` and ``optimizer``:
+    see :func:`simulate`;
+    ``microbatch_ranges=False`` leaves Titan's microbatch ranges out of GPU traces (as other
+    trainers' traces have none; CPU-only traces keep them, they are their computation).
     Returns the simulated segments (on the true clock, without the skew)."""
-    sim = simulate(pp, dp, m, steps, t_fwd, slow, p2p_jitter, seed)
+    sim = simulate(pp, dp, m, steps, t_fwd, slow, p2p_jitter, seed, packed, optimizer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     world = pp * dp
@@ -256,6 +279,9 @@ def write_job(
                         "args": {},
                     }
                 )
+            elif k == "opt":
+                if not cpu:  # CPU-only traces' computation is their microbatch ranges
+                    kernel("void multi_tensor_apply_kernel<AdamFunctor>(float*)", ts, end, tid_gpu)
             elif cpu and k in ("send", "recv", "allreduce"):
                 name = "gloo:all_reduce" if k == "allreduce" else f"gloo:{k}"
                 ev.append(
@@ -284,18 +310,19 @@ def write_job(
                     }
                 )
             elif k in ("fwd", "bwd"):
-                ev.append(
-                    {
-                        "ph": "X",
-                        "cat": "user_annotation",
-                        "name": f"titan/microbatch/{k}/mb{seg['mb']}/vs0",
-                        "pid": r,
-                        "tid": tid_cpu,
-                        "ts": ts - 6 + off,
-                        "dur": end - ts,
-                        "args": {},
-                    }
-                )
+                if microbatch_ranges:
+                    ev.append(
+                        {
+                            "ph": "X",
+                            "cat": "user_annotation",
+                            "name": f"titan/microbatch/{k}/mb{seg['mb']}/vs0",
+                            "pid": r,
+                            "tid": tid_cpu,
+                            "ts": ts - 6 + off,
+                            "dur": end - ts,
+                            "args": {},
+                        }
+                    )
                 n = max(1, filler)
                 dt = (end - ts) / n
                 for i in range(n):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from titan_core.config import Section
 
@@ -50,6 +50,14 @@ def _check(backend: str, tp_size: int, device: str | None) -> None:
         raise ValueError(f"{key}={value}: {why}")
 
 
+def check_chunked_prefill_size(v: int | None) -> int | None:
+    """``--chunked-prefill-size``: a positive number of tokens, -1 (whole prompts) or None
+    (the engine's default)."""
+    if v is not None and v != -1 and v < 1:
+        raise ValueError(f"{v}: give a positive number of tokens, or -1 to prefill whole prompts")
+    return v
+
+
 class EngineServerConfig(Section):
     """One rollout server as asked for: SGLang on cuda/musa, the built-in engine on cpu."""
 
@@ -74,12 +82,20 @@ class EngineServerConfig(Section):
     #: SGLang's ``--enable-return-routed-experts`` (requests may ask for routed experts;
     #: the built-in engine serves them on MoE models without it).
     enable_return_routed_experts: bool = False
+    #: ``--chunked-prefill-size`` (both backends): prompt tokens prefilled per scheduling
+    #: step; -1: whole prompts; None: the engine's default.
+    chunked_prefill_size: int | None = None
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(900.0, gt=0)
     restart_on_failure: bool = True
     max_restarts: int = Field(3, ge=0)
+    #: a running server that has not answered ``GET /health`` (any status) for this long is
+    #: hung: its supervisor SIGKILLs its process group and restarts it as a dead one
+    health_timeout_s: float = Field(60.0, gt=0)
     log_dir: str | None = None
+
+    _check_chunk = field_validator("chunked_prefill_size")(check_chunked_prefill_size)
 
     @model_validator(mode="after")
     def _check_backend(self) -> EngineServerConfig:

@@ -47,6 +47,15 @@ class RolloutEngine:
     def restarts(self) -> int:
         return self.server.restarts
 
+    def supervision(self) -> dict[str, float]:
+        """The supervisor's counts: restarts (all), hung restarts (killed for not answering
+        its health probe), and the longest the server went unanswered since the last call."""
+        return {
+            "restarts": float(self.server.restarts),
+            "hung_restarts": float(self.server.hung_restarts),
+            "unanswered_s": self.server.silence.take_longest(),
+        }
+
     def gave_up(self) -> bool:
         """The server died and its supervisor stopped restarting it."""
         return self.server.gave_up
@@ -147,11 +156,25 @@ class RolloutEngineGroup:
         lost = ray.get([a.gave_up.remote() for a in self.actors])
         return [u for u, g in zip(self.urls, lost, strict=True) if g]
 
+    def supervision(self) -> dict[str, float]:
+        """What the supervisors saw, as step metrics: ``engines/hung_restarts`` (engines killed
+        and restarted for not answering their health probe, since the start; counted in
+        ``engines/restarts`` too) and ``engines/unanswered_s`` (the longest an engine went
+        without answering since the last call; 0: none went a probe without)."""
+        import ray
+
+        seen = ray.get([a.supervision.remote() for a in self.actors])
+        return {
+            "engines/hung_restarts": sum(s["hung_restarts"] for s in seen),
+            "engines/unanswered_s": max(s["unanswered_s"] for s in seen),
+        }
+
     def recovery(self, resync: Resync, timeout_s: float) -> EngineRecovery:
         """The driver-side recovery of these engines (after :meth:`start`)."""
         return EngineRecovery(
             self.urls, resync, router=self.router, api_key=self.launch.api_key,
             version=self.launch.weight_version, timeout_s=timeout_s, gave_up=self.gave_up,
+            supervision=self.supervision,
         )  # fmt: skip
 
     def stop(self) -> None:

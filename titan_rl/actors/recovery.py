@@ -7,7 +7,10 @@ router, has the trainer send it the weights the trainer holds (``WeightSync.resy
 synced ones, or in async mode the ones the next sync will label), checks that it now reports
 the current version, and puts it back in the router. Until then the rollout refuses its
 responses by their version (``titan_rl.rollout.generate.VersionCheck``) and waits in
-:meth:`EngineRecovery.ensure_serving`.
+:meth:`EngineRecovery.ensure_serving`. An engine that stops answering is said in the log
+(its URL, for how long) and again when it answers; its supervisor kills one that does not
+answer its health probe for ``engines.health_timeout_s`` and restarts it as a dead one
+(titan_rl/actors/health.py), whose counts :meth:`EngineRecovery.report` adds to the step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ T = TypeVar("T")
 
 #: resync(urls, version) -> metrics: the trainer sends its weights to those engines as version
 Resync = Callable[[list[str], str], dict[str, float]]
+#: while an engine does not answer, say so again this often (seconds)
+SAY_DOWN_EVERY_S = 30.0
 
 
 class EngineLostError(RuntimeError):
@@ -41,7 +46,8 @@ class EngineRecovery:
     ``accepted``: the versions the rollout takes now; ``target``: the version the trainer's
     weights carry once its queued work is done (what a resync labels them); both start at
     ``version``, the engines' start-up one. ``gave_up`` (optional) names the engines whose
-    supervisor stopped restarting them.
+    supervisor stopped restarting them; ``supervision`` (optional) the supervisors' step
+    metrics (``engines/hung_restarts``, ``engines/unanswered_s``), added to :meth:`report`.
     """
 
     def __init__(
@@ -55,6 +61,7 @@ class EngineRecovery:
         timeout_s: float = 900.0,
         interval_s: float = 1.0,
         gave_up: Callable[[], list[str]] | None = None,
+        supervision: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self.urls = list(urls)
         if not self.urls:
@@ -65,6 +72,7 @@ class EngineRecovery:
         self.timeout_s = timeout_s
         self.interval_s = interval_s
         self.gave_up = gave_up
+        self.supervision = supervision
         self.accepted: frozenset[str] = frozenset()
         self.target = ""
         self._serving_version = ""
@@ -73,6 +81,7 @@ class EngineRecovery:
         #: engines the router lists (after the last check); all of them without a router
         self.listed: set[str] = set(self.urls)
         self._down_since: dict[str, float] = {}
+        self._say_down_at: dict[str, float] = {}
         self._clients: dict[str, EngineClient] = {}
         self._lock: asyncio.Lock | None = None
         #: engines given the current weights since the last take_metrics()
@@ -123,9 +132,10 @@ class EngineRecovery:
         """One round: note the engines that are down, resync the ones on another version,
         and (behind a router) list exactly the engines on an accepted version."""
         async with self._get_lock():
+            asked = time.monotonic()
             versions = await self._versions()
             now = time.monotonic()
-            down = self._note_down(versions, now)
+            down = self._note_down(versions, asked, now)
             stale = [u for u, v in versions.items() if v is not None and v not in self.accepted]
             self.current = {u for u, v in versions.items() if v in self.accepted}
             await self._route()  # take the down and stale ones out before the resync
@@ -135,14 +145,23 @@ class EngineRecovery:
                 await self._resync(stale)
                 await self._route()
 
-    def _note_down(self, versions: dict[str, str | None], now: float) -> list[str]:
-        """The engines that did not answer; since when each has been down."""
+    def _note_down(self, versions: dict[str, str | None], asked: float, now: float) -> list[str]:
+        """The engines that did not answer when asked at ``asked``; since when each has been
+        down, said in the log (then every SAY_DOWN_EVERY_S, and once it answers again)."""
         down = [u for u, v in versions.items() if v is None]
         for u in self.urls:
             if u in down:
-                self._down_since.setdefault(u, now)
-            else:
-                self._down_since.pop(u, None)
+                since = self._down_since.setdefault(u, asked)
+                if now >= self._say_down_at.get(u, since):
+                    log.warning(
+                        "engine %s has not answered for %.0fs; waiting for it (its supervisor "
+                        "restarts it if it exits, or does not answer its health probe for "
+                        "engines.health_timeout_s)", u, now - since,
+                    )  # fmt: skip
+                    self._say_down_at[u] = now + SAY_DOWN_EVERY_S
+            elif (since := self._down_since.pop(u, None)) is not None:
+                self._say_down_at.pop(u, None)
+                log.warning("engine %s answers again after %.0fs without an answer", u, now - since)
         return down
 
     async def _route(self) -> None:
@@ -223,8 +242,10 @@ class EngineRecovery:
         """Return once every engine answers (a sync needs them all; it gives a restarted
         one the new weights itself)."""
         while True:
+            asked = time.monotonic()
+            versions = await self._versions()
             now = time.monotonic()
-            down = self._note_down(await self._versions(), now)
+            down = self._note_down(versions, asked, now)
             if not down:
                 return
             await self._check_down(down, now)
@@ -254,16 +275,21 @@ class EngineRecovery:
     async def report(self) -> dict[str, float]:
         """A check (after a sync it puts restarted engines back in the router), then
         ``engines/serving`` (engines on the current weights that take requests),
-        ``engines/resyncs`` since the last report and the last resync's own metrics."""
+        ``engines/resyncs`` since the last report, the last resync's own metrics, and the
+        supervisors' (``engines/hung_restarts``, ``engines/unanswered_s``)."""
         await self._try_check()
         out = {
             "engines/serving": float(len(self.current & self.listed)),
             "engines/resyncs": float(self.resyncs),
             **self._metrics,
         }
+        if self.supervision is not None:
+            out.update(await asyncio.to_thread(self.supervision))
         self.resyncs, self._metrics = 0, {}
         return out
 
     async def aclose(self) -> None:
+        """Close the connections; the recovery can be used again on another event loop."""
         await asyncio.gather(*(c.aclose() for c in self._clients.values()))
         self._clients.clear()
+        self._lock = None  # an asyncio.Lock belongs to the loop it was first used on

@@ -51,10 +51,8 @@ def build_router_command(cfg: RouterConfig, port: int, api_key: str | None = Non
 
 
 class RouterProcess(ServerProcess):
-    """The router process; reuses ServerProcess's start / health / stop."""
-
-    #: the driver starts the router: a ``kill -9`` of the driver must not leave it serving
-    dies_with_parent = True
+    """The router process; reuses ServerProcess's start / health / stop (and so dies with
+    the driver that starts it: a ``kill -9`` of the driver leaves it not serving on)."""
 
     def __init__(self, cfg: RouterConfig, api_key: str | None = None, name: str = "router") -> None:
         self.router_cfg = cfg

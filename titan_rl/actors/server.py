@@ -1,7 +1,14 @@
-"""Launch, watch, restart and stop one rollout server process (SGLang or the CPU engine)."""
+"""Launch, watch, restart and stop one rollout server process (SGLang or the CPU engine).
+
+The supervisor (:meth:`ServerProcess.watch`) restarts a server that exits, and one that stops
+answering its health probe for ``health_timeout_s`` (killed first; titan_rl/actors/health.py).
+Every server dies with the process that started it (titan_core/tied_child.py): a ``kill -9``
+of a Ray actor holding an engine, or of the driver holding the router, leaves none behind.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -14,9 +21,10 @@ from pathlib import Path
 
 import httpx
 
-from titan_core.child_process import die_with_parent
 from titan_core.net import free_port
+from titan_core.tied_child import popen_tied
 from titan_rl.actors.config import EngineLaunch, EngineServerConfig
+from titan_rl.actors.health import Silence, answers
 
 log = logging.getLogger("titan_rl.actors")
 
@@ -36,6 +44,8 @@ def build_command(launch: EngineLaunch, port: int) -> list[str]:
         common += ["--skip-tokenizer-init"]
     if launch.dtype != "auto":
         common += ["--dtype", launch.dtype]
+    if launch.chunked_prefill_size is not None:
+        common += ["--chunked-prefill-size", str(launch.chunked_prefill_size)]
     if launch.backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", *common]
         cmd += ["--tp-size", str(launch.tp_size), "--base-gpu-id", str(launch.base_gpu_id)]
@@ -68,13 +78,10 @@ class ServerProcess:
     """One server process: start, wait for health, restart if it dies, stop cleanly.
 
     The server runs in its own session (process group) so stopping it also stops the
-    workers SGLang spawns. The port is fixed at the first start so a restarted server keeps
-    the URL the router knows.
+    workers SGLang spawns, and is SIGKILLed when the process that started it dies (from any
+    thread: a Ray actor's, the watch thread). The port is fixed at the first start so a
+    restarted server keeps the URL the router knows.
     """
-
-    #: stop with the process that started it (a ``kill -9`` of it leaves no orphan); off for
-    #: engines, which a Ray actor starts and stops, and may restart from its watch thread
-    dies_with_parent = False
 
     def __init__(self, cfg: EngineServerConfig, name: str = "engine") -> None:
         #: the launch, as given, or resolved here for this machine from a config
@@ -82,6 +89,8 @@ class ServerProcess:
         self.name = name
         self.port = cfg.port or free_port(cfg.host)
         self.restarts = 0
+        #: of those, restarts of a server killed for not answering its health probe
+        self.hung_restarts = 0
         #: the supervisor saw the server die and will not restart it (max_restarts reached)
         self.gave_up = False
         self._proc: subprocess.Popen | None = None
@@ -90,6 +99,7 @@ class ServerProcess:
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="titan-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}.log"
+        self.silence = Silence(name, self.url, self.cfg.health_timeout_s)
 
     @property
     def url(self) -> str:
@@ -112,17 +122,18 @@ class ServerProcess:
             return self.url
         self._stopping = False
         with open(self.log_path, "ab") as logf:
-            self._proc = subprocess.Popen(
+            self._proc = popen_tied(
                 self.command(),
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=build_env(self.cfg),
                 start_new_session=True,
-                preexec_fn=die_with_parent() if self.dies_with_parent else None,
             )
+        self.silence.reset()
         log.info("%s: started pid %s on %s", self.name, self._proc.pid, self.url)
         if wait:
             self.wait_healthy()
+            self.silence.answered(time.monotonic())
         return self.url
 
     def log_tail(self, n: int = 40) -> str:
@@ -192,7 +203,10 @@ class ServerProcess:
             if self._stopping:
                 continue
             proc = self._proc
-            if proc is None or proc.poll() is None:
+            if proc is None:
+                continue
+            if proc.poll() is None:
+                self._check_answers(proc)
                 continue
             if not self.cfg.restart_on_failure or self.restarts >= self.cfg.max_restarts:
                 log.error("%s: server exited with %s; not restarting", self.name, proc.returncode)
@@ -204,3 +218,21 @@ class ServerProcess:
                 self.restart()
             except Exception:
                 log.exception("%s: restart failed", self.name)
+
+    def _check_answers(self, proc: subprocess.Popen) -> None:
+        """Probe the running server; SIGKILL its group once it has not answered for
+        ``health_timeout_s`` (the next round restarts it as a dead one)."""
+        answered = answers(self.url, self.silence.probe_timeout_s)
+        now = time.monotonic()
+        if proc is not self._proc or self._stopping:  # stopped or restarted meanwhile
+            return
+        if answered:
+            self.silence.answered(now)
+        elif self.silence.unanswered(now, proc.pid):
+            self.hung_restarts += 1
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # a stopped process too
+            try:
+                proc.wait(timeout=10.0)
+            except subprocess.TimeoutExpired:
+                log.error("%s: pid %s still there 10s after SIGKILL", self.name, proc.pid)

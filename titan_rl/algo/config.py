@@ -8,10 +8,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from titan_core.config import Section
+from titan_rl.algo.estimators import AdvantageEstimator
 
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
-]
 LossAggMode = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 #: where an importance ratio is taken (slime's tis_level / rs_level): per token, per sequence

@@ -43,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-prefill-tokens", type=int, default=8192)
     p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per scheduler iteration, between the running requests' "
+        "decode steps: a longer prompt is prefilled in chunks, so other requests wait for a "
+        "chunk, not for the whole prompt (as SGLang's flag; -1: whole prompts at once; "
+        "default 2048)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=16384,
@@ -113,6 +122,13 @@ def validate(args: argparse.Namespace) -> None:
     for flag in ("max_queued_requests", "max_connections", "timeout_keep_alive"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.chunked_prefill_size is not None and not (
+        args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0
+    ):
+        raise SystemExit(
+            f"--chunked-prefill-size {args.chunked_prefill_size}: give a positive number of "
+            "tokens, or -1 to prefill whole prompts"
+        )
     if not args.request_read_timeout > 0:
         raise SystemExit("--request-read-timeout must be a positive number of seconds")
     if not os.path.isdir(args.model_path):
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             load_tokenizer=not args.skip_tokenizer_init,
             max_queued_requests=args.max_queued_requests,
             tp_size=args.tp_size,
+            chunked_prefill_size=args.chunked_prefill_size,
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

@@ -5,7 +5,16 @@ aborts, pauses) and admits new requests: each group of equal-length prompts is p
 together (no padding), and its KV cache is merged into the running batch, which is kept
 left-padded with a 2D attention mask and explicit per-row position ids. Every decode step
 runs all active requests in one forward. Rows leave as they finish; columns that are padding
-for every remaining row are trimmed. The model and its cache live in a
+for every remaining row are trimmed.
+
+Prefill is chunked (SGLang's ``--chunked-prefill-size``): each scheduler iteration prefills at
+most that many prompt tokens, then runs the decode step of the running batch. A prompt longer
+than what is left of an iteration's budget is prefilled a chunk at a time into its own partial
+KV cache (positions continue from the cache, so the chunks compute what one forward of the
+whole prompt does); prompts admitted since go before the one whose chunk ended the last
+iteration. So a short request waits for the chunk in flight and its round-robin turn, not for
+another client's whole prompt, and a long prompt still gets a chunk at least every other
+iteration. The model and its cache live in a
 :class:`~titan_rl.engine.runner.ModelRunner`; with ``tp_size`` N > 1 this process is TP rank 0
 and every runner operation is first sent to the N-1 workers (:mod:`titan_rl.engine.tp`).
 
@@ -16,8 +25,10 @@ the queue holds at most ``max_queued_requests`` sequences (then :class:`QueueFul
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -48,6 +59,11 @@ SERVING_TAGS = frozenset({"weights", "kv_cache"})
 #: (GRPO groups of up to 16) usually start together, and no request waits for more than
 #: this many sequences of each request queued before it
 FAIR_QUANTUM = 16
+#: ``--chunked-prefill-size``: prompt tokens prefilled per scheduler iteration (-1: whole
+#: prompts at once), what a short request or a decode step waits for behind another client's
+#: long prompt. Smaller chunks answer sooner but spread a large batch's admission over more
+#: iterations, each with a decode step (bench/chunked_prefill.py --chunk 512 2048).
+DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 
 
 class QueueFullError(Exception):
@@ -60,6 +76,32 @@ class _Waiting:
 
     seqs: deque[Sequence]
     credit: int = 0
+
+
+@dataclass(eq=False)
+class _Prefill:
+    """Equal-length prompts prefilled together, a chunk at a time, into one partial cache
+    (the runner's ``partial[key]``) until the last chunk gives their first tokens."""
+
+    key: int
+    seqs: list[Sequence]
+    #: prompt tokens already in the partial cache
+    done: int = 0
+    #: the partial cache's rows (0 before the first chunk), and the row of each of ``seqs``:
+    #: an aborted sequence's row is dropped at the next chunk
+    cached: int = 0
+    rows: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rows = list(range(len(self.seqs)))
+
+    @property
+    def length(self) -> int:
+        return len(self.seqs[0].prompt)
+
+    def left(self) -> int:
+        """Prompt tokens still to prefill, over all rows."""
+        return len(self.seqs) * (self.length - self.done)
 
 
 @dataclass
@@ -121,6 +163,7 @@ class Engine:
         load_tokenizer: bool = True,
         max_queued_requests: int | None = None,
         tp_size: int = 1,
+        chunked_prefill_size: int | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -172,6 +215,10 @@ class Engine:
         self.context_length = int(context_length or limit or 4096)
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        if chunked_prefill_size is None:
+            chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
+        #: prompt tokens prefilled per scheduler iteration; None (given as -1): no limit
+        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size > 0 else None
         #: bound of the pending queue in sequences (as SGLang counts a batch's or n's items)
         self.max_queued = max_queued_requests
         self.weight_version = weight_version
@@ -192,8 +239,16 @@ class Engine:
         self.memory_resumes = 0
         # batch state (engine thread only); its KV cache is the runner's, row for row
         self.active: list[Sequence] = []
+        #: prompts admitted and not yet wholly prefilled, in the order they get chunks; the
+        #: one whose chunk ended the last iteration's budget waits in ``_carry`` until the
+        #: prompts admitted since have joined the queue ahead of it
+        self._prefilling: deque[_Prefill] = deque()
+        self._carry: _Prefill | None = None
+        self._unit_keys = itertools.count()
         self._rids: set[str] = set()
         self.steps = 0
+        #: prefill forwards (a whole prompt group or one chunk of it)
+        self.prefill_chunks = 0
         self.generated_tokens = 0
         self._thread = threading.Thread(target=self._loop, name="titan-engine", daemon=True)
         self._thread.start()
@@ -360,6 +415,13 @@ class Engine:
                 waiting.seqs = kept
             self._pending = deque(w for w in self._pending if w.seqs)
             self._num_pending = sum(len(w.seqs) for w in self._pending)
+        for unit in self._units():
+            kept = [(s, r) for s, r in zip(unit.seqs, unit.rows, strict=True) if not aborted(s)]
+            n += len(unit.seqs) - len(kept)
+            if not kept:
+                self._drop_unit(unit)
+            elif len(kept) != len(unit.seqs):
+                unit.seqs, unit.rows = [s for s, _ in kept], [r for _, r in kept]
         keep = [i for i, s in enumerate(self.active) if not aborted(s)]
         n += len(self.active) - len(keep)
         if len(keep) != len(self.active):
@@ -373,18 +435,19 @@ class Engine:
             self._run_commands()
             with self._lock:
                 has_pending = bool(self._pending)
-            if self.paused or self.released or (not has_pending and not self.active):
+            idle = not (has_pending or self.active or self._prefilling or self._carry)
+            if self.paused or self.released or idle:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
             try:
                 with torch.inference_mode():
-                    self._admit()
+                    self._prefill_step()
                     if self.active:
                         self._decode_step()
-            except Exception as e:  # keep serving: fail what was running, reset the batch
+            except Exception as e:  # keep serving: fail what was admitted, reset the batch
                 log.exception("engine step failed")
-                for s in self.active:
+                for s in self.active + [s for unit in self._units() for s in unit.seqs]:
                     s.error = f"internal engine error: {type(e).__name__}: {e}"
                     s.finish_reason = {"type": "abort", "message": s.error}
                     self._finish(s)
@@ -405,7 +468,10 @@ class Engine:
                 fut.set_exception(e)
 
     def _reset_batch(self) -> None:
+        """Drop the running batch and every prompt being prefilled."""
         self.active = []
+        self._prefilling.clear()
+        self._carry = None
         try:
             self._op("reset")
         except Exception:  # TP workers gone: nothing left to reset there (alive is False)
@@ -450,54 +516,128 @@ class Engine:
         self._num_pending -= len(taken)
         return taken
 
-    def _admit(self) -> None:
+    def _units(self) -> list[_Prefill]:
+        """The prompts admitted and not yet wholly prefilled."""
+        carry = [self._carry] if self._carry is not None else []
+        return [*self._prefilling, *carry]
+
+    def _prefill_step(self) -> None:
+        """This iteration's prefill: up to ``chunked_prefill_size`` prompt tokens, from the
+        queue of admitted prompts; one that does not fit what is left gets a chunk of it and
+        waits, behind the prompts admitted next, for the next iteration."""
+        budget = self.chunked_prefill_size or sys.maxsize
+        self._admit(budget)
+        if self._carry is not None:
+            self._prefilling.append(self._carry)
+            self._carry = None
+        while self._prefilling and budget > 0:
+            unit = self._prefilling[0]
+            n = min(unit.length - unit.done, budget // len(unit.seqs))
+            if n <= 0:  # its rows do not fit what is left: first in the next iteration
+                break
+            self._prefilling.popleft()
+            budget -= n * len(unit.seqs)
+            try:
+                last = self._prefill_chunk(unit, n)
+                if last is None:
+                    self._carry = unit
+                    break
+                self._complete(unit, last)
+            except Exception as e:  # fail these prompts only; the running batch is intact
+                log.exception("prefill failed")
+                for seq in unit.seqs:
+                    if seq.finish_reason is None and seq not in self.active:
+                        seq.error = f"internal engine error in prefill: {type(e).__name__}: {e}"
+                        seq.finish_reason = {"type": "abort", "message": seq.error}
+                        self._finish(seq)
+                self._drop_unit(unit)
+
+    def _admit(self, budget: int) -> None:
+        """Admit waiting sequences as prompt groups (equal lengths, at most
+        ``max_prefill_tokens`` a forward), only as many as this iteration's ``budget`` can
+        reach after the prompts already queued (always one where none is): the rest keep
+        their round-robin places among the waiting requests."""
+        backlog = sum(unit.left() for unit in self._prefilling)
+        room = self.max_running - len(self.active) - sum(len(u.seqs) for u in self._units())
+        taken: list[Sequence] = []
         with self._lock:
-            taken = self._take(self.max_running - len(self.active))
-        if not taken:
-            return
+            while room > 0 and self._pending:
+                nxt = len(self._pending[0].seqs[0].prompt)  # what _take(1) returns
+                if backlog > 0 and backlog + nxt > budget:
+                    break
+                taken.extend(self._take(1))
+                backlog += nxt
+                room -= 1
         groups: dict[int, list[Sequence]] = {}
         for s in taken:
             groups.setdefault(len(s.prompt), []).append(s)
+        cap = min(self.max_prefill_tokens, budget)
         for length, seqs in groups.items():
-            per = max(1, self.max_prefill_tokens // length)
+            per = max(1, cap // length)
             for i in range(0, len(seqs), per):
-                chunk = seqs[i : i + per]
-                try:
-                    self._prefill(chunk)
-                except Exception as e:  # fail this chunk only; the running batch is intact
-                    log.exception("prefill failed")
-                    for seq in chunk:
-                        if seq.finish_reason is None and seq not in self.active:
-                            seq.error = f"internal engine error in prefill: {type(e).__name__}: {e}"
-                            seq.finish_reason = {"type": "abort", "message": seq.error}
-                            self._finish(seq)
+                self._prefilling.append(_Prefill(next(self._unit_keys), seqs[i : i + per]))
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        ids = torch.tensor([s.prompt for s in seqs], dtype=torch.long)
+    def _drop_unit(self, unit: _Prefill) -> None:
+        """Forget a prompt group (its sequences are finished) and its partial cache."""
+        if unit in self._prefilling:
+            self._prefilling.remove(unit)
+        if unit is self._carry:
+            self._carry = None
+        if unit.cached:
+            unit.cached = 0
+            try:
+                self._op("keep_prefill", unit.key, [])
+            except Exception:  # TP workers gone: nothing left to drop there (alive is False)
+                log.exception("dropping a partial prefill failed")
+
+    def _prefill_chunk(self, unit: _Prefill, n: int) -> torch.Tensor | None:
+        """Forward the next ``n`` prompt tokens of ``unit``'s rows; the last position's logits
+        once the prompts are whole (None before)."""
+        seqs, length = unit.seqs, unit.length
+        start, end = unit.done, unit.done + n
+        ids = torch.tensor([s.prompt[start:end] for s in seqs], dtype=torch.long)
+        rows = unit.rows if unit.cached and unit.rows != list(range(unit.cached)) else None
         want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
+        # logits of the positions whose next token's logprob is asked for (input logprobs
+        # from logprob_start_len on), and of the prompt's last one (the first output token)
+        first = min(
+            (max(s.logprob_start_len - 1, 0) for s, w in zip(seqs, want_input, strict=True) if w),
+            default=length - 1,
+        )
+        keep = max(1, end - max(start, first))
         record = any(s.return_routed_experts for s in seqs)
-        keep_logits = 0 if any(want_input) else 1
         # the workers' logits are not used: they compute only the last position's
-        logits, routed = self._op("prefill", ids, keep_logits, record, workers=(ids, 1, False))
+        logits, routed = self._op(
+            "prefill", unit.key, ids, length, keep, record, rows,
+            workers=(unit.key, ids, length, 1, False, rows),
+        )  # fmt: skip
+        self.prefill_chunks += 1
+        unit.done, unit.cached, unit.rows = end, len(seqs), list(range(len(seqs)))
         self._take_routed(seqs, routed)
         for j, s in enumerate(seqs):
             if want_input[j]:
-                s.input_logprobs = self._input_logprobs(s, logits[j])
-        last = logits[:, -1, :]
+                self._input_logprobs(s, logits[j], end - logits.shape[1], end)
+        return logits[:, -1, :] if end == length else None
+
+    def _complete(self, unit: _Prefill, last: torch.Tensor) -> None:
+        """The prompts are prefilled: sample their first tokens; those that go on join the
+        running batch with their cache rows."""
+        seqs = unit.seqs
         live = [j for j, s in enumerate(seqs) if s.max_new > 0]
         for s in seqs:
             if s.max_new <= 0:
                 s.finish_reason = {"type": "length", "length": 0}
                 self._finish(s)
         if not live:
-            self._op("keep_prefill", [])
+            self._drop_unit(unit)
             return
         last = last[live]
         seqs = [seqs[j] for j in live]
         tokens = self._next_tokens(last, seqs).tolist()
         keep = [j for j, s in enumerate(seqs) if not self._append(s, tokens[j])]
         # the kept rows of the prefill's cache join the running batch (left-padded)
-        self._op("keep_prefill", [live[j] for j in keep])
+        unit.cached = 0
+        self._op("keep_prefill", unit.key, [live[j] for j in keep])
         self.active.extend(seqs[j] for j in keep)
 
     @staticmethod
@@ -509,15 +649,22 @@ class Engine:
             if s.return_routed_experts:
                 s.routed.append(rows.clone())  # not a view keeping the batch's alive
 
-    def _input_logprobs(self, s: Sequence, logits: torch.Tensor) -> list[list[Any]]:
+    @staticmethod
+    def _input_logprobs(s: Sequence, logits: torch.Tensor, first: int, end: int) -> None:
+        """Add the prompt logprobs that a chunk's ``logits`` (of positions ``[first, end)``)
+        give to ``s.input_logprobs``: those of tokens ``logprob_start_len`` on (the first
+        prompt token has none)."""
+        if s.input_logprobs is None:
+            s.input_logprobs = [[None, s.prompt[0], None]] if s.logprob_start_len == 0 else []
+        lo = max(first, s.logprob_start_len - 1, 0)  # positions whose next token is reported
+        hi = min(end, len(s.prompt) - 1)
+        if lo >= hi:
+            return
         temp = s.params.temperature if s.params.temperature >= GREEDY_EPS else 1.0
-        lp = torch.log_softmax(logits[:-1].float() / temp, dim=-1)
-        tok = torch.tensor(s.prompt[1:])
-        vals = lp.gather(1, tok.unsqueeze(1)).flatten().tolist()
-        full: list[list[Any]] = [[None, s.prompt[0], None]] + [
-            [v, t, None] for v, t in zip(vals, s.prompt[1:], strict=True)
-        ]
-        return full[s.logprob_start_len :]
+        lp = torch.log_softmax(logits[lo - first : hi - first].float() / temp, dim=-1)
+        toks = s.prompt[lo + 1 : hi + 1]
+        vals = lp.gather(1, torch.tensor(toks).unsqueeze(1)).flatten().tolist()
+        s.input_logprobs.extend([v, t, None] for v, t in zip(vals, toks, strict=True))
 
     # ---- decode ---------------------------------------------------------------------------
     def _decode_step(self) -> None:
@@ -533,9 +680,7 @@ class Engine:
             self._select_rows(keep)
 
     def _select_rows(self, keep: list[int]) -> None:
-        if not keep:
-            self._reset_batch()
-            return
+        """Keep the running rows ``keep`` (none: the batch is gone; prefills go on)."""
         self._op("select_rows", keep)
         self.active = [self.active[i] for i in keep]
 

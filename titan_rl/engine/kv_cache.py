@@ -5,7 +5,9 @@ the whole cache every step: at 64 sequences of ~1,000 tokens that copy was a six
 CPU engine's time. :class:`GrowingLayer` keeps its keys and values as views of buffers with
 spare room on the sequence axis and writes a step's token into that room; a buffer is
 copied only when it is full (then with a quarter more room) or when the runner replaced the
-layer's tensors (a prefill merged in, rows dropped).
+layer's tensors (a prefill merged in, rows dropped). A prompt prefilled in chunks writes each
+chunk into a buffer sized for the whole prompt at its first chunk (``reserve``), so carrying
+its partial cache from chunk to chunk copies nothing.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys`` / ``values`` ([B, heads, T, head_dim]) are views of
     larger buffers; anything may still assign them new tensors (they are adopted)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         super().__init__()
         self._kbuf: torch.Tensor | None = None
         self._vbuf: torch.Tensor | None = None
+        #: tokens the first update's buffers hold room for (a chunked prompt's whole length)
+        self.reserve = reserve
 
     def _in_buffer(self) -> bool:
         """Whether ``keys`` / ``values`` are still the leading views of this layer's buffers."""
@@ -43,8 +47,8 @@ class GrowingLayer(DynamicLayer):
         )
 
     @staticmethod
-    def _grown(t: torch.Tensor, need: int) -> torch.Tensor:
-        room = need + max(MIN_SPARE, int(need * SPARE_SHARE))
+    def _grown(t: torch.Tensor, need: int, reserve: int = 0) -> torch.Tensor:
+        room = reserve if need <= reserve else need + max(MIN_SPARE, int(need * SPARE_SHARE))
         buf = t.new_empty(t.shape[0], t.shape[1], room, t.shape[3])
         buf[:, :, : t.shape[2]] = t
         return buf
@@ -53,12 +57,17 @@ class GrowingLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized or self.keys.numel() == 0:
-            return super().update(key_states, value_states, *args, **kwargs)
+            if self.reserve <= key_states.shape[2]:
+                return super().update(key_states, value_states, *args, **kwargs)
+            # the first chunk of a longer prompt: buffers with room for all of it, below
+            self.lazy_initialization(key_states, value_states)
+            self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
+            self._kbuf = self._vbuf = None
         t, n = self.keys.shape[2], key_states.shape[2]
         need = t + n
         if not self._in_buffer() or self._kbuf.shape[2] < need or self._vbuf.shape[2] < need:
-            self._kbuf = self._grown(self.keys, need)
-            self._vbuf = self._grown(self.values, need)
+            self._kbuf = self._grown(self.keys, need, self.reserve)
+            self._vbuf = self._grown(self.values, need, self.reserve)
         self._kbuf[:, :, t:need] = key_states
         self._vbuf[:, :, t:need] = value_states
         self.keys = self._kbuf[:, :, :need]
@@ -70,11 +79,12 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
 
-def new_cache(config: Any) -> DynamicCache:
+def new_cache(config: Any, reserve: int = 0) -> DynamicCache:
     """A DynamicCache for ``config``'s model, its full-attention layers :class:`GrowingLayer`
-    s (any other kind HF picks for a layer is kept)."""
+    s (any other kind HF picks for a layer is kept); ``reserve``: tokens the first update's
+    buffers hold room for (a prompt prefilled in chunks: its whole length)."""
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
+    cache.layers = [GrowingLayer(reserve) if type(x) is DynamicLayer else x for x in cache.layers]
     return cache
 
 

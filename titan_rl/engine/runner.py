@@ -2,7 +2,8 @@
 
 The :class:`~titan_rl.engine.core.Engine` schedules sequences; a runner holds what the
 forwards need (the model, or this TP rank's shard of it, the running batch's KV cache, its
-left-padded attention mask and per-row positions) and the weights by HF checkpoint name. With
+left-padded attention mask and per-row positions, the partial caches of prompts being
+prefilled chunk by chunk) and the weights by HF checkpoint name. With
 ``--tp-size N`` every rank holds one runner and runs the same operations in lockstep
 (:mod:`titan_rl.engine.tp`); at N = 1 the engine calls its runner directly.
 
@@ -77,16 +78,18 @@ class ModelRunner:
         self.full_shapes = full_shapes or {n: t.shape for n, t in self._targets.items()}
         self.splits = {**(splits or {}), **expert_splits(self._fused, size)}
         self._released_shapes: dict[int, torch.Size] = {}
-        self._staged: Any = None  # the last prefill's cache, until keep_prefill
+        #: the caches of prompts being prefilled (chunk by chunk), by the engine's unit key,
+        #: until keep_prefill merges them into the running batch
+        self.partial: dict[int, Any] = {}
         self.cache: Any = None
         self.mask: torch.Tensor | None = None  # [B, T] long
         self.pos: torch.Tensor | None = None  # [B] next position per row
 
     # ---- forwards -----------------------------------------------------------------------
-    def _new_cache(self) -> Any:
+    def _new_cache(self, reserve: int = 0) -> Any:
         from titan_rl.engine.kv_cache import new_cache  # transformers, loaded with the model
 
-        return new_cache(self.config)
+        return new_cache(self.config, reserve)
 
     def _forward(self, record: bool, input_ids: torch.Tensor, **kw: Any) -> tuple[Any, Any]:
         """One forward, and its routed experts ``[B, L, layers, top_k]`` when ``record``."""
@@ -100,23 +103,42 @@ class ModelRunner:
         return out, routed
 
     def prefill(
-        self, ids: torch.Tensor, logits_to_keep: int, record: bool
+        self,
+        key: int,
+        ids: torch.Tensor,
+        total: int,
+        logits_to_keep: int,
+        record: bool,
+        rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward equal-length prompts into a fresh cache (kept until :meth:`keep_prefill`)."""
-        cache = self._new_cache()
+        """Forward the next chunk ``ids`` ``[k, n]`` of ``k`` equal-length prompts (``total``
+        tokens each) into their partial cache ``key`` (a fresh one at the first chunk), kept
+        until :meth:`keep_prefill`; ``rows``: the rows of that cache these prompts are (the
+        others are dropped first; None: all). A chunk's positions follow the cache's length,
+        so the chunks of a prompt compute what one forward of the whole prompt does.
+        The logits of the chunk's last ``logits_to_keep`` positions, and its routed experts."""
+        cache = self.partial.pop(key, None)
+        if cache is None:
+            cache = self._new_cache(total)
+        elif rows is not None:
+            idx = torch.tensor(rows, dtype=torch.long)
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
         out, routed = self._forward(
             record, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
         )
-        self._staged = cache
+        self.partial[key] = cache  # not kept if the forward failed: its layers may disagree
         return out.logits, routed
 
-    def keep_prefill(self, rows: list[int]) -> None:
-        """Merge the rows ``rows`` of the last prefill into the running batch (left-padded)."""
-        staged, self._staged = self._staged, None
-        if not rows:
+    def keep_prefill(self, key: int, rows: list[int]) -> None:
+        """Merge the rows ``rows`` of the prefilled prompts ``key`` into the running batch
+        (left-padded); the rest of that cache is dropped (``rows`` empty: all of it)."""
+        staged = self.partial.pop(key, None)
+        if not rows or staged is None:
             return
         length = staged.layers[0].keys.shape[2]
         kv = [(layer.keys[rows], layer.values[rows]) for layer in staged.layers]
+        del staged
         mask = torch.ones(len(rows), length, dtype=torch.long)
         pos = torch.full((len(rows),), length, dtype=torch.long)
         if self.cache is None:
@@ -155,9 +177,10 @@ class ModelRunner:
         return out.logits[:, -1, :], routed
 
     def select_rows(self, keep: list[int]) -> None:
-        """Keep the batch rows ``keep``; drop columns that are padding for every one left."""
+        """Keep the batch rows ``keep``; drop columns that are padding for every one left
+        (``keep`` empty: the running batch is gone; prompts being prefilled are kept)."""
         if not keep:
-            self.reset()
+            self.cache, self.mask, self.pos = None, None, None
             return
         idx = torch.tensor(keep, dtype=torch.long)
         mask = self.mask[idx]
@@ -169,8 +192,9 @@ class ModelRunner:
         self.pos = self.pos[idx]
 
     def reset(self) -> None:
-        """Drop the running batch's cache."""
-        self.cache, self.mask, self.pos, self._staged = None, None, None, None
+        """Drop the running batch's cache and every partial prefill's."""
+        self.cache, self.mask, self.pos = None, None, None
+        self.partial = {}
 
     # ---- weights --------------------------------------------------------------------------
     def param_names(self) -> set[str]:

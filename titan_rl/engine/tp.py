@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_core.tied_child import popen_tied
 from titan_rl.engine.runner import ModelRunner, NamedTensors
 from titan_rl.engine.sampling import RequestError
 from titan_rl.engine.tp_comm import GROUP_TIMEOUT, Comm, WorkerSpec, recv, send, tp_group
@@ -69,8 +70,8 @@ class TPLeader:
         env["PYTHONPATH"] = os.pathsep.join([_ROOT, *paths])
         cmd = [sys.executable, "-m", "titan_rl.engine.tp_worker", "--fd", str(theirs.fileno())]
         cmd += ["--spec", json.dumps(dataclasses.asdict(spec))]
-        with theirs:
-            proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=env)
+        with theirs:  # SIGKILLed if this server dies (it also watches: tp_worker._watch_parent)
+            proc = popen_tied(cmd, pass_fds=[theirs.fileno()], env=env)
         self._conns.append(Connection(ours.detach()))
         self._procs.append(proc)
 

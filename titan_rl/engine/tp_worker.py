@@ -29,6 +29,7 @@ from titan_rl.engine.sampling import RequestError
 from titan_rl.engine.tp_comm import GROUP_TIMEOUT, Comm, WorkerSpec, recv, send, tp_group
 from titan_rl.engine.tp_sources import FromDisk, FromTensor, Source
 from titan_rl.engine.weights import (
+    check_finite,
     decode_tensor_payload,
     join_weight_update_group,
     load_safetensors_dir,
@@ -71,6 +72,7 @@ class Worker:
                 pg, source.names, source.dtypes, source.shapes, source.load_format
             )
         self.runner.check(named)
+        check_finite(named)  # this rank's entry (or read): rank 0 refuses the whole update
         return named
 
     # ---- ops with a reply (rank 0 waits for every rank's) ---------------------------------

@@ -4,12 +4,14 @@
 - tensor: ``serialized_named_tensors`` entries, read by :mod:`titan_rl.wire.payload`;
 - distributed: a standalone process group (gloo on CPU) the trainer joins as rank 0; tensors
   arrive by ``broadcast(src=0)`` (:func:`titan_rl.wire.group.receive_broadcast`);
-- checkpoint names -> the model's tensors (fused experts included).
+- checkpoint names -> the model's tensors (fused experts included);
+- every update's tensors checked finite (:func:`check_finite`) before any is applied.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -23,6 +25,52 @@ from titan_rl.wire.group import receive_broadcast as receive_broadcast
 from titan_rl.wire.payload import decode_tensor_payload as decode_tensor_payload
 
 log = logging.getLogger("titan_rl.engine.weights")
+
+
+# ---- what an update may hold ----------------------------------------------------------------
+
+#: elements checked at a time (bounds the check's scratch memory on a large tensor)
+_CHECK_CHUNK = 1 << 24
+
+
+def _nonfinite(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, inf count) of a floating tensor, in chunks; dtypes without an ``isfinite``
+    kernel (float8_e4m3fn on CPU) are read as float32."""
+    flat = t.detach().reshape(-1)
+    nan = inf = 0
+    for start in range(0, flat.numel(), _CHECK_CHUNK):
+        chunk = flat[start : start + _CHECK_CHUNK]
+        try:
+            finite = torch.isfinite(chunk)
+        except (NotImplementedError, RuntimeError):
+            chunk = chunk.float()
+            finite = torch.isfinite(chunk)
+        if not bool(finite.all()):
+            n_nan = int(torch.isnan(chunk).sum())
+            nan += n_nan
+            inf += int((~finite).sum()) - n_nan
+    return nan, inf
+
+
+def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Refuse an update holding NaN or inf (RequestError naming the parameters), before any
+    of it is applied: an engine serving such weights answers NaN logprobs (``null`` in JSON)
+    and token 0 for every request, silently. The trainer refuses to sync such weights
+    (titan_core.training.finite); the engine holds other senders to the same rule."""
+    bad: list[str] = []
+    for name, t in named:
+        if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+            continue
+        nan, inf = _nonfinite(t)
+        if nan or inf:
+            bad.append(f"{name!r} ({nan} NaN and {inf} inf of {t.numel()} values)")
+    if bad:
+        which = "parameter" if len(bad) == 1 else "parameters"
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise RequestError(
+            f"non-finite weights (NaN or inf) refused, nothing was applied: {which} "
+            f"{', '.join(bad[:3])}{more}"
+        )
 
 
 # ---- disk ---------------------------------------------------------------------------------

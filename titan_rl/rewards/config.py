@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, PositiveInt, field_validator, model_validator
+import numpy as np
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
 from titan_core.config import Section
 from titan_rl.rewards.custom import CustomRewardFn, load_custom_reward, split_custom_path
@@ -21,8 +22,9 @@ class RewardConfig(Section):
     the stripped label (the arithmetic default). math_verify: a ``\\boxed{}`` answer, else a
     final "answer is X", else the last number, compared to the label with math-verify.
     custom: ``custom_path = "module:function"`` (or ``"path/to/file.py:function"``) called as
-    ``fn(prompt, response, label, metadata) -> float | dict`` (a dict carries ``"score"``),
-    a plain or an ``async def`` function; a score must be a finite number or a bool.
+    ``fn(prompt, response, label, metadata) -> float | dict`` (a dict carries ``"score"``,
+    and may carry ``"correct"`` for accuracy metrics), a plain or an ``async def`` function;
+    a score must be a bool or a number finite in float32, a ``correct`` a bool (or 0 / 1).
     ``format_reward`` is added to the score of a well-formed response: one matching
     ``format_pattern`` (``re.search``, DOTALL) or, without a pattern, one whose answer could
     be extracted. Use a negative weight with a pattern that matches bad output for a penalty.
@@ -48,10 +50,18 @@ class RewardConfig(Section):
     timeout_s: float = Field(5.0, gt=0.0, allow_inf_nan=False)
     #: the score of a sample whose reward call ran past ``timeout_s``.
     timeout_score: float = Field(0.0, allow_inf_nan=False)
-    #: a reward that is not a finite number or a bool (NaN, inf, None, a string): "error"
-    #: stops the run naming the sample; "drop" leaves the sample out of the loss (its group
-    #: baseline is its group's valid rewards) and counts it in ``reward/invalid``.
+    #: a reward that is not a bool or a number finite in float32 (NaN, inf, 1e39, None, a
+    #: string), or whose ``correct`` is not a bool (``"False"``): "error" stops the run
+    #: naming the field, the value and the sample; "drop" leaves the sample out of the loss
+    #: (its group baseline is its group's valid rewards) and counts it in ``reward/invalid``.
     on_invalid: Literal["error", "drop"] = "error"
+    #: when more than ``max_timeout_share`` of a step's (or an evaluation's) samples time out:
+    #: "warn" prints a warning line naming the count and goes on; "stop" stops the run
+    #: naming this key (a reward that times out on every sample teaches nothing).
+    on_timeouts: Literal["warn", "stop"] = "warn"
+    #: the largest share of a step's (or an evaluation's) samples whose reward call may
+    #: time out before ``on_timeouts`` acts; 1: never.
+    max_timeout_share: float = Field(0.5, ge=0.0, le=1.0)
     #: worker processes scoring rewards concurrently, off the driver's event loop.
     num_workers: PositiveInt = 4
 
@@ -63,6 +73,17 @@ class RewardConfig(Section):
                 re.compile(v)
             except re.error as e:
                 raise ValueError(f"reward.format_pattern is not a valid regex: {e}") from None
+        return v
+
+    @field_validator("format_reward", "timeout_score")
+    @classmethod
+    def _check_float32(cls, v: float, info: ValidationInfo) -> float:
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.float32(v)):
+                raise ValueError(
+                    f"reward.{info.field_name}={v!r} is not finite in float32 (the trainer's "
+                    f"rewards): keep |x| <= {float(np.finfo(np.float32).max):.4g}"
+                )
         return v
 
     @field_validator("custom_path")

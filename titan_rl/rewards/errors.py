@@ -8,5 +8,11 @@ class RewardError(RuntimeError):
 
 
 class InvalidRewardError(RewardError, ValueError):
-    """A reward returned something other than a finite number or a bool (NaN, inf, None,
-    a string, a dict without a score)."""
+    """A reward returned something other than a bool or a number finite in float32 (NaN,
+    inf, 1e39, None, a string, a dict without a score), or a ``correct`` that is not a bool
+    (``"False"``)."""
+
+
+class RewardTimeoutsError(RewardError):
+    """More of a step's reward calls timed out than ``reward.max_timeout_share``, under
+    ``reward.on_timeouts=stop``."""

@@ -1,8 +1,10 @@
 """Score responses: exact match, math-verify or a custom function, plus a format reward.
 
-A custom function's value is checked where it enters: only a finite number or a bool is a
-score (``"1"`` is not 1.0, NaN is not a score); anything else is an InvalidRewardError naming
-``reward.custom_path``, the value and the sample.
+A custom function's value is checked where it enters: only a number finite in float32 (the
+trainer's dtype: ``1e39`` is inf there) or a bool is a score (``"1"`` is not 1.0, NaN is not a
+score), and a dict's ``correct`` (or ``acc``) must be a bool (or 0 / 1): ``"False"`` is not
+False. Anything else is an InvalidRewardError naming ``reward.custom_path``, the field, the
+value and the sample.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class RewardResult:
     well_formed: bool | None
     extra: dict[str, Any] = field(default_factory=dict)
     #: "scored"; "timeout": the call ran past reward.timeout_s; "invalid": the reward was not
-    #: a finite number and reward.on_invalid=drop (see titan_rl.rewards.pool).
+    #: a bool or a number finite in float32, or its ``correct`` not a bool, and
+    #: reward.on_invalid=drop (see titan_rl.rewards.pool).
     status: Literal["scored", "timeout", "invalid"] = "scored"
 
     @property
@@ -67,21 +70,56 @@ def describe_sample(prompt: str, response: str, label: Any) -> str:
     return f"the sample with prompt {_short(prompt)}, response {_short(response)}, label {label!r}"
 
 
-def checked_score(value: Any, where: str, sample: str) -> float:
-    """``value`` as a float when it is a finite number or a bool; else InvalidRewardError
-    naming ``where`` (the config key), the value and ``sample``."""
+#: the largest magnitude a score may have: the trainer holds rewards in float32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def finite_in_float32(x: float) -> bool:
+    """``x`` is finite once cast to float32 (the trainer's dtype), as torch would cast it:
+    values up to half an ulp past the largest float32 round down to it."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(x)))
+
+
+def checked_score(value: Any, where: str, sample: str, field: str | None = None) -> float:
+    """``value`` as a float when it is a bool or a number finite in float32; else
+    InvalidRewardError naming ``where`` (the config key), the dict ``field`` the value came
+    from (if any), the value and ``sample``."""
     if isinstance(value, numbers.Real | np.bool_) and not isinstance(value, str):
         try:
             score = float(value)
         except (OverflowError, ValueError):
             score = math.nan
-        if math.isfinite(score):
+        if math.isfinite(score) and finite_in_float32(score):
             return score
     raise InvalidRewardError(
-        f"{where} returned {value!r} ({type(value).__name__}) for {sample}: a reward must be a "
-        "finite number or a bool; fix the function, or set reward.on_invalid=drop to leave "
-        "such samples out of the loss"
+        f"{where} returned {_field_of(field)}{value!r} ({type(value).__name__}) for {sample}: "
+        "a reward must be a bool or a number finite in float32 (|x| <= "
+        f"{FLOAT32_MAX:.4g}); fix the function, or set reward.on_invalid=drop to leave such "
+        "samples out of the loss"
     )
+
+
+def checked_correct(value: Any, where: str, sample: str, field: str) -> bool | None:
+    """A dict's ``correct`` / ``acc`` (``field``) as a bool: a bool, or a number that is
+    exactly 0 or 1; None: not said. Anything else (``"False"``, 0.5, a list) is an
+    InvalidRewardError naming ``where``, the field, the value and ``sample`` (``bool("False")``
+    is True: taken as is, it would count a wrong answer as right)."""
+    if value is None:
+        return None
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Real) and value in (0, 1):
+        return bool(value)
+    raise InvalidRewardError(
+        f"{where} returned {_field_of(field)}{value!r} ({type(value).__name__}) for {sample}: "
+        f"'{field}' must be a bool (or 0 / 1); fix the function, or set reward.on_invalid=drop "
+        "to leave such samples out of the loss"
+    )
+
+
+def _field_of(field: str | None) -> str:
+    return "" if field is None else f"'{field}': "
 
 
 def _field(sample: Any, name: str, default: Any = None) -> Any:
@@ -138,9 +176,9 @@ class RewardScorer:
                         f"{sorted(map(str, out))}"
                     )
                 extra = {k: v for k, v in out.items() if k != key}
-                base = checked_score(out[key], where, sample)
-                correct = extra.get("correct", extra.get("acc"))
-                correct = None if correct is None else bool(correct)
+                base = checked_score(out[key], where, sample, key)
+                said = "correct" if "correct" in extra else "acc"
+                correct = checked_correct(extra.get(said), where, sample, said)
             else:
                 base = checked_score(out, where, sample)
                 correct = None
@@ -162,6 +200,13 @@ class RewardScorer:
         score = base
         if cfg.format_reward != 0.0 and well_formed:
             score += cfg.format_reward
+            if self._custom is not None and not finite_in_float32(score):
+                raise InvalidRewardError(
+                    f"{where} returned {base!r} for {sample}: with reward.format_reward "
+                    f"{cfg.format_reward!r} the score {score!r} is not finite in float32; "
+                    "fix the function, or set reward.on_invalid=drop to leave such samples "
+                    "out of the loss"
+                )
         return RewardResult(score=score, correct=correct, well_formed=well_formed, extra=extra)
 
     def score_details(

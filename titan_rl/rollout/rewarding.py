@@ -9,24 +9,28 @@ through the worker pool under ``reward.timeout_s``.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from titan_rl.rewards.config import RewardConfig
-from titan_rl.rewards.pool import RewardPool
+from titan_rl.rewards.pool import RewardPool, timeouts_note
 from titan_rl.rewards.scorer import RewardResult, RewardScorer
 from titan_rl.sample import Sample, Status
 
 
 @dataclass
 class RewardCounts:
-    """Samples whose reward call timed out, and those dropped for an invalid reward."""
+    """Samples whose reward call timed out, and those dropped for an invalid reward (of
+    ``scored``: the samples scored)."""
 
     timeouts: int = 0
     invalid: int = 0
+    scored: int = 0
 
     def add(self, other: RewardCounts) -> None:
         self.timeouts += other.timeouts
         self.invalid += other.invalid
+        self.scored += other.scored
 
 
 class SampleRewarder:
@@ -38,6 +42,8 @@ class SampleRewarder:
         inline = cfg.type == "exact_match" and cfg.format_pattern is None
         self._inline = RewardScorer(cfg) if inline else None
         self._pool = None if inline else RewardPool(cfg)
+        #: what was scored since the last :meth:`check_timeouts`
+        self.tally = RewardCounts()
 
     async def _results(self, samples: list[Sample]) -> list[RewardResult]:
         if self._inline is not None:
@@ -51,7 +57,7 @@ class SampleRewarder:
         )
 
     async def __call__(self, samples: list[Sample]) -> RewardCounts:
-        counts = RewardCounts()
+        counts = RewardCounts(scored=len(samples))
         for s, r in zip(samples, await self._results(samples), strict=True):
             s.reward = r.score
             s.correct = r.is_correct
@@ -60,7 +66,19 @@ class SampleRewarder:
             elif r.status == "invalid":
                 counts.invalid += 1
                 s.status = Status.FAILED
+        self.tally.add(counts)
         return counts
+
+    def check_timeouts(self, what: str) -> str | None:
+        """Close ``what`` (``"step 3"``, ``"evaluation"``): when more than
+        ``reward.max_timeout_share`` of the samples scored since the last check timed out,
+        print a warning line naming the count (and return it), or under
+        ``reward.on_timeouts=stop`` raise RewardTimeoutsError naming the key."""
+        tally, self.tally = self.tally, RewardCounts()
+        note = timeouts_note(self.cfg, tally.timeouts, tally.scored, what)
+        if note is not None:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
+        return note
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,7 +1,9 @@
 """Weight updates (from disk, from tensors, by broadcast) and weight version and reads.
 
 Replies are SGLang's ``{"success": bool, "message": str}``: a malformed body is a 400 in the
-error shape, an update the engine refuses a 400 with ``success: false``.
+error shape, an update the engine refuses a 400 with ``success: false``. Every update's tensors
+are checked finite first (:func:`titan_rl.engine.weights.check_finite`): one holding NaN or inf
+is refused naming the parameter, and nothing of it is applied (weights and version unchanged).
 
 With ``--tp-size N`` every update reaches every TP rank as SGLang's do: a tensor update carries
 one entry per rank (rank k decodes entry k), every rank reads a disk checkpoint itself, and
@@ -32,6 +34,7 @@ from titan_rl.engine.state import State
 from titan_rl.engine.tp_sources import FromDisk, FromGroup, FromTensor
 from titan_rl.engine.validation import RequestError
 from titan_rl.engine.weights import (
+    check_finite,
     decode_tensor_payload,
     join_weight_update_group,
     load_safetensors_dir,
@@ -72,6 +75,10 @@ async def update_weights_from_disk(
     if missing:
         return fail(f"{path!r} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
     named = [(n, t) for n, t in tensors.items() if engine.knows(n)]
+    try:
+        await asyncio.to_thread(check_finite, named)
+    except RequestError as e:
+        return fail(f"{path!r}: {e}")
 
     def apply() -> int:
         n = engine.update_weights(FromDisk(path), lambda: named)
@@ -108,6 +115,7 @@ async def update_weights_from_tensor(
         )
     try:
         named = await asyncio.to_thread(decode_tensor_payload, payloads[0], req.load_format)
+        await asyncio.to_thread(check_finite, named)
         state.mapped.add(named)
         workers = FromTensor(payloads, req.load_format)
         new_version = req.weight_version is not None
@@ -190,6 +198,7 @@ async def update_weights_from_distributed(
             raise RequestError(
                 f"unknown parameter {unknown[0]!r}; names must be the HF checkpoint's"
             )
+        check_finite(named)  # received whole, so refused whole
         return named
 
     def apply() -> int:
