@@ -112,7 +112,7 @@ async def generate_and_score(
         if args.group_rm:
             scores = await asyncio.gather(*(scored.call(g, g) for g in groups))
             for g, rewards in zip(groups, scores, strict=True):
-                if rewards is None:  # the group's call timed out
+                if rewards is TIMED_OUT:  # the group's call ran past reward.timeout_s
                     rewards = [scored.timeout_score] * len(g)
                 for s, r in zip(g, rewards, strict=True):
                     s.reward = r
@@ -120,7 +120,7 @@ async def generate_and_score(
             flat = [s for g in groups for s in g]
             rewards = await asyncio.gather(*(scored.call(s, [s]) for s in flat))
             for s, r in zip(flat, rewards, strict=True):
-                s.reward = scored.timeout_score if r is None else r
+                s.reward = scored.timeout_score if r is TIMED_OUT else r
         check_rewards(args, [s for g in groups for s in g], evaluation)
         scored.report(sum(map(len, groups)), "an evaluation" if evaluation else "a rollout")
     finally:
@@ -129,9 +129,13 @@ async def generate_and_score(
             await recovery.aclose()
 
 
+#: what a reward call that ran past ``reward.timeout_s`` gives (None is a hook's own answer)
+TIMED_OUT = object()
+
+
 class _Scoring:
-    """One rollout's reward calls: through the pool (a timed-out call is None, counted) or,
-    without one, awaited here."""
+    """One rollout's reward calls: through the pool (a timed-out call is :data:`TIMED_OUT`,
+    counted) or, without one, awaited here."""
 
     def __init__(self, args: Any, rm: Callable, pool: Any) -> None:
         self.args, self.rm, self.pool = args, rm, pool
@@ -152,7 +156,7 @@ class _Scoring:
         )  # fmt: skip
         if not ok:
             self.timeouts += len(samples)
-        return value if ok else None
+        return value if ok else TIMED_OUT
 
     def report(self, scored: int, what: str) -> None:
         """``reward/timeouts``; a warning line, or under ``reward.on_timeouts=stop`` a
@@ -373,7 +377,12 @@ class TitanEngines:
                 server=EngineServerConfig(
                     model_path=model_path, backend=e.backend, tp_size=per_engine,
                     mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
-                    api_key=e.api_key, num_threads=e.num_threads,
+                    api_key=e.api_key, num_threads=e.num_threads, dtype=e.dtype,
+                    chunked_prefill_size=e.chunked_prefill_size,
+                    health_timeout_s=e.health_timeout_s,
+                    enable_return_routed_experts=bool(
+                        getattr(args, "use_rollout_routing_replay", False)
+                    ),
                     extra_args=generated_args(args, "--sglang-") if sglang else [],
                 ),
                 router=RouterConfig(enabled=n > 1, extra_args=generated_args(args, "--router-")),

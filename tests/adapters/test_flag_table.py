@@ -457,6 +457,35 @@ def test_context_cap_concurrency_and_eval_reward_key() -> None:
     assert summary(args, groups[0], True, None)["eval/reward"] == 0.25  # --eval-reward-key
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e39, None, "1", {"score": 1.0}])
+def test_reward_that_is_not_a_score_stops_naming_the_flag(value: Any) -> None:
+    """What slime's / miles' rm hub returns is checked as titan_rl checks a reward: a bool or
+    a number finite in float32 (1e39 is inf there); anything else stops the rollout naming
+    the flag that chose the reward, the value and the sample."""
+    import asyncio
+
+    from slime.utils.types import Sample
+
+    from adapters.common.rollout import generate_and_score
+    from titan_rl.rewards.errors import InvalidRewardError
+
+    args = parse("slime", [*BASE, "--custom-rm-path", "my_rewards.score"])
+
+    async def generate(args: Any, s: Any, params: dict[str, Any]) -> Any:
+        s.response = "42"
+        return s
+
+    async def rm(args: Any, s: Any) -> Any:
+        return value
+
+    groups = [[Sample(prompt="6*7=", label="42", tokens=[1, 2])]]
+    with pytest.raises(InvalidRewardError) as e:
+        asyncio.run(generate_and_score(args, groups, {"max_new_tokens": 8}, generate, rm))
+    msg = str(e.value)
+    assert msg.startswith(f"--custom-rm-path my_rewards.score returned {value!r}"), msg
+    assert "prompt '6*7='" in msg and "reward.on_invalid" not in msg
+
+
 def test_eval_sets_read_by_slimes_dataset(tmp_path: Path) -> None:
     import json
 
