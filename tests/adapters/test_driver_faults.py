@@ -5,6 +5,8 @@ outside into ``python -m adapters.{slime,miles}.train`` as a user runs it:
 - ``kill -9`` of the rollout engine's server: its supervisor restarts it, the trainers
   resync it before it serves, and no response on the start-up weights is trained
   (``engines/restarts``, ``engines/resyncs``, ``rollout/stale_resent``);
+- SIGSTOP of the restarted one (alive, not answering): killed after
+  ``engines.health_timeout_s`` and restarted the same way (``engines/hung_restarts``);
 - SIGTERM: the rollout in flight is finished or abandoned, the last completed rollout is
   saved, exit 143 with the line saying how to resume; the same command then resumes after
   it, each rollout's record once;
@@ -110,6 +112,7 @@ def test_driver_survives_faults(framework: str, tmp_path: Path) -> None:
     titan = _titan_yaml(tmp_path / "titan.yaml", model, run)
     cfg = yaml.safe_load(titan.read_text())
     cfg["reward"] = {"timeout_s": 2.0, "timeout_score": 0.0}
+    cfg["engines"]["health_timeout_s"] = 5.0
     titan.write_text(yaml.safe_dump(cfg))
     cmd = [
         sys.executable, "-m", f"adapters.{framework}.train", "--titan-config", str(titan),
@@ -136,6 +139,13 @@ def test_driver_survives_faults(framework: str, tmp_path: Path) -> None:
         at = first.wait_for("rollout ", 300, after=at + 1)
         assert first.proc.poll() is None, first.output[-4000:]
         servers += _engine_servers(first.proc.pid)  # the restarted one
+        # then that one hangs (alive, not answering): killed after engines.health_timeout_s
+        # and restarted as a dead one, resynced before it serves
+        at = len(first.lines)
+        os.kill(servers[-1], signal.SIGSTOP)
+        at = first.wait_for("rollout ", 300, after=at)
+        at = first.wait_for("rollout ", 300, after=at + 1)
+        servers += _engine_servers(first.proc.pid)
         first.proc.send_signal(signal.SIGTERM)
         code = first.finish(300)
     finally:
@@ -149,7 +159,8 @@ def test_driver_survives_faults(framework: str, tmp_path: Path) -> None:
     assert "rerun the same command to resume" in line
 
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(r.get("engines/restarts", 0) for r in rows) >= 1, rows
+    assert max(r.get("engines/restarts", 0) for r in rows) >= 2, rows
+    assert max(r.get("engines/hung_restarts", 0) for r in rows) >= 1, rows
     assert sum(r.get("engines/resyncs", 0) for r in rows) >= 1, rows
     # the engine after its restart serves the trainers' weights: every later sync at parity
     assert all(
