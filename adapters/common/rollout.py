@@ -218,7 +218,7 @@ def check_rewards(args: Any, samples: list[Any], evaluation: bool) -> None:
     else is an InvalidRewardError naming the flag that chose the reward, the value and the
     sample, raised before the samples are trained or counted."""
     from titan_rl.rewards.errors import InvalidRewardError
-    from titan_rl.rewards.scorer import checked_score, describe_sample
+    from titan_rl.rewards.scorer import checked_score
 
     key = getattr(args, "eval_reward_key", None) if evaluation else None
     key = key or getattr(args, "reward_key", None)
@@ -231,11 +231,8 @@ def check_rewards(args: Any, samples: list[Any], evaluation: bool) -> None:
                     f"key {key!r} (--reward-key / --eval-reward-key) is not in it"
                 )
             value = value[key]
-        try:
-            checked_score(value, reward_source(args), describe_sample(*_texts(s)), key)
-        except InvalidRewardError as e:  # without the Titan-config hint
-            raise InvalidRewardError(str(e).split("; fix the function")[0] + "; fix the reward "
-                                     "function (slime and miles train on every sample)") from None  # fmt: skip
+        advice = "fix the reward function (slime and miles train on every sample)"
+        checked_score(value, reward_source(args), _describe(s), key, advice=advice)
 
 
 def _texts(sample: Any) -> tuple[str, str, Any]:

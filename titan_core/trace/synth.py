@@ -222,6 +222,19 @@ def write_job(
         corr = [1]
         tid_cpu, tid_gpu, tid_comm = 100, 7, 20
 
+        def annotate(
+            name: str,
+            ts: float,
+            end: float,
+            ev: list = ev,
+            r: int = r,
+            off: float = off,
+            tid_cpu: int = tid_cpu,
+        ) -> None:
+            """A host-side ``user_annotation`` range on the rank's CPU thread."""
+            ev.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": r,
+                       "tid": tid_cpu, "ts": ts + off, "dur": end - ts, "args": {}})  # fmt: skip
+
         def kernel(
             name: str,
             ts: float,
@@ -283,46 +296,12 @@ def write_job(
                 if not cpu:  # CPU-only traces' computation is their microbatch ranges
                     kernel("void multi_tensor_apply_kernel<AdamFunctor>(float*)", ts, end, tid_gpu)
             elif cpu and k in ("send", "recv", "allreduce"):
-                name = "gloo:all_reduce" if k == "allreduce" else f"gloo:{k}"
-                ev.append(
-                    {
-                        "ph": "X",
-                        "cat": "user_annotation",
-                        "name": name,
-                        "pid": r,
-                        "tid": tid_cpu,
-                        "ts": ts + off,
-                        "dur": end - ts,
-                        "args": {},
-                    }
-                )
+                annotate("gloo:all_reduce" if k == "allreduce" else f"gloo:{k}", ts, end)
             elif cpu:
-                ev.append(
-                    {
-                        "ph": "X",
-                        "cat": "user_annotation",
-                        "name": f"titan/microbatch/{k}/mb{seg['mb']}/vs0",
-                        "pid": r,
-                        "tid": tid_cpu,
-                        "ts": ts + off,
-                        "dur": end - ts,
-                        "args": {},
-                    }
-                )
+                annotate(f"titan/microbatch/{k}/mb{seg['mb']}/vs0", ts, end)
             elif k in ("fwd", "bwd"):
-                if microbatch_ranges:
-                    ev.append(
-                        {
-                            "ph": "X",
-                            "cat": "user_annotation",
-                            "name": f"titan/microbatch/{k}/mb{seg['mb']}/vs0",
-                            "pid": r,
-                            "tid": tid_cpu,
-                            "ts": ts - 6 + off,
-                            "dur": end - ts,
-                            "args": {},
-                        }
-                    )
+                if microbatch_ranges:  # the range opens on the host just before its kernels
+                    annotate(f"titan/microbatch/{k}/mb{seg['mb']}/vs0", ts - 6, end - 6)
                 n = max(1, filler)
                 dt = (end - ts) / n
                 for i in range(n):

@@ -81,10 +81,16 @@ def finite_in_float32(x: float) -> bool:
         return bool(np.isfinite(np.float32(x)))
 
 
-def checked_score(value: Any, where: str, sample: str, field: str | None = None) -> float:
+#: what an invalid-reward error tells the user to do (the main job's reward keys)
+FIX_ADVICE = "fix the function, or set reward.on_invalid=drop to leave such samples out of the loss"
+
+
+def checked_score(
+    value: Any, where: str, sample: str, field: str | None = None, advice: str = FIX_ADVICE
+) -> float:
     """``value`` as a float when it is a bool or a number finite in float32; else
     InvalidRewardError naming ``where`` (the config key), the dict ``field`` the value came
-    from (if any), the value and ``sample``."""
+    from (if any), the value and ``sample``, ending with ``advice``."""
     if isinstance(value, numbers.Real | np.bool_) and not isinstance(value, str):
         try:
             score = float(value)
@@ -95,8 +101,7 @@ def checked_score(value: Any, where: str, sample: str, field: str | None = None)
     raise InvalidRewardError(
         f"{where} returned {_field_of(field)}{value!r} ({type(value).__name__}) for {sample}: "
         "a reward must be a bool or a number finite in float32 (|x| <= "
-        f"{FLOAT32_MAX:.4g}); fix the function, or set reward.on_invalid=drop to leave such "
-        "samples out of the loss"
+        f"{FLOAT32_MAX:.4g}); {advice}"
     )
 
 
