@@ -130,8 +130,11 @@ class EnginesConfig(Section):
     colocate: bool = False
     #: sglang-router in front of the engines: one URL spreading the requests.
     router: bool = False
-    #: built-in engine: torch threads per engine (None: torch's default).
-    num_threads: PositiveInt | None = 1
+    #: built-in engine: torch (OpenMP) threads per engine, shared by its TP ranks. None:
+    #: ``OMP_NUM_THREADS`` where set, else auto: the cores this job may use
+    #: (``os.sched_getaffinity``), all of them per colocated engine (generation and
+    #: training alternate), else split with the trainer processes (``trainer_threads``).
+    num_threads: PositiveInt | None = None
     #: the engines' weights and compute (``--dtype``); "auto": the checkpoint's (fp32, as the
     #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
     #: trainer's, as GPU engines do.
@@ -193,10 +196,12 @@ class RLRunConfig(Section):
     dir: str = "runs/grpo"
     #: RL steps (rollout, train, sync) of the run.
     num_steps: PositiveInt = 200
-    #: evaluate held-out accuracy every N steps (and at the last).
-    eval_interval: PositiveInt = 20
-    #: save a checkpoint every N steps (and at the last); 0: only at the last.
-    save_interval: int = Field(100, ge=0)
+    #: evaluate held-out accuracy before the first step, every N steps and at the last;
+    #: null: no evaluation at all (slime's ``--eval-interval`` unset).
+    eval_interval: PositiveInt | None = 20
+    #: save a checkpoint every N steps and at the last; 0: only at the last; null: none at
+    #: all (slime's ``--save-interval`` unset; ``save_on_signal`` still saves on a signal).
+    save_interval: int | None = Field(100, ge=0)
     #: on SIGTERM / SIGINT, save the last completed step before exiting 143 / 130 (as
     #: Megatron-LM's --exit-signal-handler does); false: exit without saving.
     save_on_signal: bool = True
@@ -243,6 +248,12 @@ class GRPOConfig(Section):
     ppo_steps: PositiveInt = 1
     #: Megatron trainer processes (TP x PP x CP x DP); each is a Ray actor.
     trainer_processes: PositiveInt = 1
+    #: torch (OpenMP) threads of each trainer process. None: ``OMP_NUM_THREADS`` where set,
+    #: else auto: the cores this job may use (``os.sched_getaffinity``) shared by the
+    #: trainer processes, and, where the engines run at the same time (disaggregated,
+    #: ``rollout.async``), by the engines too (``engines.num_threads``); ``--dry-run``
+    #: prints both.
+    trainer_threads: PositiveInt | None = None
     #: sampling the responses.
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     #: the rollout engines.

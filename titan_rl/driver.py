@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from titan_rl.config import GRPOConfig
 from titan_rl.step_log import status_line, step_record
-from titan_rl.step_timer import StepTimer
+from titan_rl.step_timer import StartupTimer, StepTimer
 
 if TYPE_CHECKING:
     from titan_core.signals import StopSignals
@@ -107,9 +107,15 @@ class Driver:
         if on:
             self.trainers.mark(phase, False)
 
+    def startup(self, timer: StartupTimer) -> None:
+        """Report the start-up's phases: one line, and ``time/startup*`` in the first step's record."""
+        self._first.update(timer.metrics())
+        print(timer.line(), flush=True)
+
     def evaluate_base(self) -> None:
-        """A fresh run's held-out accuracy before any update: the record of step 0."""
-        if self.progress.start != 0:
+        """A fresh run's held-out accuracy before any update: the record of step 0 (none
+        with ``run.eval_interval`` null)."""
+        if self.progress.start != 0 or self.cfg.run.eval_interval is None:
             return
         acc = self._until_stopped(self.rollouts.evaluate(self.client))
         if acc is not None:
@@ -163,9 +169,11 @@ class Driver:
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """``eval/accuracy`` every ``run.eval_interval`` steps and at the last one."""
+        """``eval/accuracy`` every ``run.eval_interval`` steps and at the last one (never
+        with ``run.eval_interval`` null)."""
+        every = self.cfg.run.eval_interval
         with self.timer.phase("eval"):
-            if step % self.cfg.run.eval_interval and step != self.cfg.run.num_steps:
+            if every is None or (step % every and step != self.cfg.run.num_steps):
                 return {}
             acc = self._until_stopped(self.rollouts.evaluate(self.client))
         return {} if acc is None else {"eval/accuracy": acc}
@@ -182,8 +190,11 @@ class Driver:
             print(status_line(rec, self.cfg.run.num_steps), flush=True)
 
     def save(self, step: int) -> None:
-        """A checkpoint every ``run.save_interval`` steps and at the last one."""
+        """A checkpoint every ``run.save_interval`` steps and at the last one (0: only at the
+        last; null: never, though a stop signal still saves with ``run.save_on_signal``)."""
         every = self.cfg.run.save_interval
+        if every is None:
+            return
         if (every and step % every == 0) or step == self.cfg.run.num_steps:
             self._save(step)
 

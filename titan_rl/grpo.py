@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -88,9 +87,12 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     from titan_rl.placement import init_ray, machine_plan, ray_init_kwargs, reserve
     from titan_rl.rollout import ClientOptions, RetryPolicy, make_engine_client
     from titan_rl.rollouts import Rollouts
+    from titan_rl.start_weights import clear_start_dir, link_policy, serves_policy_files
     from titan_rl.step_log import open_metrics
+    from titan_rl.step_timer import StartupTimer
     from titan_rl.trainer.group import TrainerGroup
 
+    startup = StartupTimer()
     cfg = resolve_config(cfg)
     # a dataset error or an impossible layout stops the run before any pretraining
     loop = Rollouts(cfg)
@@ -99,6 +101,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     if stop.requested is not None:
         print(f"stopped by {stop.name} before RL started; rerun the same command", flush=True)
         return stop.exit_code
+    startup.ended("prepare")  # the config, the prompts, the plan, the base policy
     owns_ray = not ray.is_initialized()
     if owns_ray:
         try:
@@ -109,14 +112,26 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             print("stopped by SIGTERM while Ray started; rerun the same command", flush=True)
             return exit_code(signal.SIGTERM)
     stop.install()  # ray.init replaced our SIGTERM handler with its own
+    startup.ended("ray")
     placement = reserve(plan)
-    trainers = TrainerGroup(cfg, placement, torch_threads=os.cpu_count())
+    trainers = TrainerGroup(cfg, placement)  # builds in its actors; threads: plan.threads
     engines = None
     writer: MetricsWriter | None = None
     colocation: Colocation | None = None
     aio = asyncio.new_event_loop()
     code = 0
+    e = cfg.engines
     try:
+        # a fresh run from an HF policy: the engines serve its files while the trainers build
+        # (colocated on devices, the trainer takes its memory first, as SGLang sizes by it)
+        side_by_side = not e.colocate or plan.accelerator == "cpu"
+        if side_by_side and serves_policy_files(cfg):
+            link_policy(cfg, loop.tok)
+            engines = RolloutEngineGroup(placement.engine_launches("0"), plan.router)
+            url = engines.start()
+            startup.ended("engines")
+        trainers.ready()
+        startup.ended("trainers")
         resumed = trainers.resume()
         start = 0
         if resumed:
@@ -125,12 +140,12 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             loop.carried.restore(resumed.get("partial", []))
             print(f"resumed from {loop.run_dir / 'checkpoints'} at step {start}", flush=True)
         writer = open_metrics(loop.run_dir / "metrics.jsonl", start if resumed else -1)
-        # the engines as the plan resolved them, serving the weights of step `start`
-        launches = placement.engine_launches(weight_version=str(start))
-        trainers.save_hf(launches[0].launch.model_path)
-        e = cfg.engines
-        engines = RolloutEngineGroup(launches, plan.router)
-        url = engines.start()
+        if engines is None:
+            # the engines as the plan resolved them, serving the trainer's weights of `start`
+            trainers.save_hf(str(clear_start_dir(cfg)))
+            engines = RolloutEngineGroup(placement.engine_launches(str(start)), plan.router)
+            url = engines.start()
+            startup.ended("engines")
         trainers.connect_engines(engines.urls)
         loop.recovery = engines.recovery(trainers.resync_engines, e.retry_timeout_s)
         client = make_engine_client(url, ClientOptions(
@@ -145,7 +160,10 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             cfg, loop, trainers, engines, client, colocation, writer, aio, stop,
             resumed_at=start if resumed else None,
         )  # fmt: skip
+        startup.ended("connect")
         driver.evaluate_base()
+        startup.ended("eval")
+        driver.startup(startup)
         _train(driver)
         code = driver.finish()
         aio.run_until_complete(client.aclose())

@@ -12,7 +12,9 @@ prints); :func:`reserve` creates the placement group and finds each bundle's nod
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,140 @@ def rank_coords(rank: int, world: int, tp: int, cp: int, pp: int, ep: int, etp: 
     )
 
 
+# ---- threads ---------------------------------------------------------------------------------
+#: what an idle OpenMP thread of the trainer and engine processes does while it waits for the
+#: next parallel region (``OMP_WAIT_POLICY``, set where the user has set neither it nor
+#: ``GOMP_SPINCOUNT``): sleep. torch's OpenMP (GNU libgomp here) otherwise spins ~300,000
+#: iterations first, and on cores shared with another process a spinning thread takes the
+#: time slices its team's late thread needs (see :func:`resolve_threads`).
+WAIT_POLICY = "PASSIVE"
+#: the user's settings of the OpenMP wait, left as they are
+WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def available_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's cpuset, taskset),
+    which may be fewer than the machine's ``os.cpu_count()``."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this OS (macOS)
+        return os.cpu_count() or 1
+
+
+def omp_num_threads(environ: Mapping[str, str]) -> int | None:
+    """``OMP_NUM_THREADS`` (its first level, as OpenMP reads ``"4,2"``), None where unset."""
+    raw = environ.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    first = raw.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ConfigError(
+            f"OMP_NUM_THREADS={raw!r}: give a positive number of threads, or unset it "
+            "(trainer_threads and engines.num_threads set them per process)"
+        )
+    return int(first)
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The torch (OpenMP) threads of each trainer process and each engine, resolved once
+    (:func:`resolve_threads`), and the environment those processes start with."""
+
+    #: threads of each trainer process
+    trainer: int
+    #: threads of each engine, shared by its TP ranks (titan_rl/engine/tp_comm.py)
+    engine: int
+    #: where each came from: the key, "OMP_NUM_THREADS" or "auto"
+    trainer_from: str
+    engine_from: str
+    #: auto: the cores counted, and whether trainer and engines compute at the same time
+    cores: int
+    at_once: bool
+    #: ``OMP_WAIT_POLICY`` given to the processes (None: the user's own settings stand)
+    wait_policy: str | None
+
+    def env(self, threads: int) -> dict[str, str]:
+        """The environment of a process running ``threads`` threads (set before torch
+        loads: OpenMP reads it once, when its library loads)."""
+        env = {"OMP_NUM_THREADS": str(threads)}
+        if self.wait_policy is not None:
+            env["OMP_WAIT_POLICY"] = self.wait_policy
+        return env
+
+    def describe(self) -> str:
+        line = (
+            f"threads: {self.trainer} per trainer process ({self.trainer_from}), "
+            f"{self.engine} per engine ({self.engine_from})"
+        )
+        if "auto" in (self.trainer_from, self.engine_from):
+            line += f"; auto: the {self.cores} core(s) this job may use, " + (
+                "split between the trainer processes and the engines, which compute at once"
+                if self.at_once
+                else "for each phase (generation and training alternate)"
+            )
+        if self.wait_policy is not None:
+            return line + f"; OMP_WAIT_POLICY={self.wait_policy} (idle threads sleep)"
+        return line + "; OpenMP wait: the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT"
+
+
+def resolve_threads(
+    trainer_threads: int | None,
+    engine_threads: int | None,
+    trainer_processes: int,
+    num_engines: int,
+    engine_tp: int,
+    at_once: bool,
+    cores: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Threads:
+    """The threads of each trainer process and engine: the keys where set, else
+    ``OMP_NUM_THREADS``, else auto from ``cores`` (default: :func:`available_cores`).
+
+    Auto: where generation and training alternate (``at_once`` false: colocated engines)
+    each phase has every core, shared by the processes computing in it. Where they compute
+    at the same time each trainer process and engine TP rank gets an equal share (at least
+    one; the cores left over go to the trainer processes). More threads than free cores
+    stall: every parallel region waits for its slowest thread, and a thread whose core
+    another process holds waits for its time slice. The one place these defaults live (the
+    GRPO job's placement plan and the slime / miles adapters' engines call it)."""
+    environ = os.environ if environ is None else environ
+    cores = cores or available_cores()
+    omp = omp_num_threads(environ)
+    if at_once:
+        slots = trainer_processes + num_engines * engine_tp
+        share = max(1, cores // slots)
+        trainer_auto = share + max(0, cores - share * slots) // trainer_processes
+        engine_auto = share * engine_tp
+    else:
+        trainer_auto = max(1, cores // trainer_processes)
+        engine_auto = max(1, cores // num_engines)
+
+    def pick(key: int | None, name: str, auto: int) -> tuple[int, str]:
+        if key is not None:
+            return key, name
+        if omp is not None:
+            return omp, "OMP_NUM_THREADS"
+        return auto, "auto"
+
+    trainer, trainer_from = pick(trainer_threads, "trainer_threads", trainer_auto)
+    engine, engine_from = pick(engine_threads, "engines.num_threads", engine_auto)
+    user_wait = any(environ.get(k) for k in WAIT_SETTINGS)
+    return Threads(
+        trainer, engine, trainer_from, engine_from, cores, at_once,
+        None if user_wait else WAIT_POLICY,
+    )  # fmt: skip
+
+
+def job_threads(cfg: GRPOConfig) -> Threads:
+    """The GRPO job's threads: the engines compute while the trainer does unless they are
+    colocated (``rollout.async`` cannot be colocated)."""
+    e = cfg.engines
+    return resolve_threads(
+        cfg.trainer_threads, e.num_threads, cfg.trainer_processes, e.num_engines, e.tp_size,
+        at_once=not e.colocate or cfg.rollout.async_rollout,
+    )  # fmt: skip
+
+
 @dataclass(frozen=True)
 class PlacementPlan:
     """The layout of one GRPO job, before anything starts."""
@@ -93,6 +229,8 @@ class PlacementPlan:
     engine: EngineLaunch | None = None
     #: why this machine cannot launch the engines (a GPU plan shown on a CPU machine)
     unlaunchable: str | None = None
+    #: the trainer processes' and engines' threads (None: not resolved, a bare plan)
+    threads: Threads | None = None
 
     @property
     def unit(self) -> str:
@@ -171,6 +309,8 @@ class PlacementPlan:
             if self.resource:
                 span += f" (base_gpu_id: the device id of {unit} {s[0]} on its node)"
             lines.append(f"  engine {i} -> {span}")
+        if self.threads is not None:
+            lines.append(self.threads.describe())
         return lines
 
 
@@ -179,17 +319,21 @@ def _engines_error(e: EnginesConfig, problem: tuple[str, str]) -> str:
     return f"engines.{key}={getattr(e, key)}: {why}"
 
 
-def engine_launch(cfg: GRPOConfig, backend: str, accelerator: str) -> EngineLaunch:
+def engine_launch(
+    cfg: GRPOConfig, backend: str, accelerator: str, threads: Threads
+) -> EngineLaunch:
     """The GRPO job's engines, resolved from ``engines.*`` and ``run.dir``: the one place the
     engine section becomes a launch (the engines serve the start-up weights the trainer
     writes to ``<run.dir>/hf_start``, with the run's tokenizer beside them so that stop
-    texts match, and log to ``<run.dir>/logs``)."""
+    texts match, and log to ``<run.dir>/logs``; ``threads``: the plan's)."""
     e, run_dir = cfg.engines, Path(cfg.run.dir)
     return EngineLaunch(
         model_path=str(run_dir / "hf_start"), backend=backend, device=accelerator,
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
         enable_memory_saver=e.colocate, api_key=e.api_key,
-        num_threads=e.num_threads, log_dir=str(run_dir / "logs"), dtype=e.dtype,
+        num_threads=threads.engine,
+        env=threads.env(threads.engine) if backend == "builtin" else {},  # SGLang: its own
+        log_dir=str(run_dir / "logs"), dtype=e.dtype,
         chunked_prefill_size=e.chunked_prefill_size,
         health_timeout_s=e.health_timeout_s,
         enable_return_routed_experts=cfg.rollout.return_routed_experts,
@@ -221,6 +365,7 @@ def plan_placement(
         )
     available = devices if resource else cfg.ray.num_cpus
     logs = str(Path(cfg.run.dir) / "logs")
+    threads = job_threads(cfg)
     plan = PlacementPlan(
         accelerator=accelerator,
         resource=resource,
@@ -238,8 +383,9 @@ def plan_placement(
         engine_tp=e.tp_size,
         available=available,
         address=cfg.ray.address,
-        engine=engine_launch(cfg, backend, accelerator) if here is None else None,
+        engine=engine_launch(cfg, backend, accelerator, threads) if here is None else None,
         unlaunchable=None if here is None else _engines_error(e, here),
+        threads=threads,
     )
     if available is not None and plan.num_bundles > available:
         raise ConfigError(f"{_need(plan)}, but only {available} are available ({_source(plan)})")
@@ -331,19 +477,45 @@ def init_ray(**kwargs: Any) -> None:
 
     Ray waits a fixed 30 s for its raylet to register with the GCS (``ray._private.node``,
     no setting), which a busy machine (2 cores starting trainers and engines) can miss; the
-    node then shuts down and a second start usually finds the machine quieter."""
+    node then shuts down and a second start usually finds the machine quieter. The processes
+    the failed start left (its GCS, dashboard, monitors: Ray forgets them with the node) are
+    killed first, so they do not load the next try or outlive the job."""
+    import psutil
     import ray
 
+    me = psutil.Process()
     for attempt in range(1, RAY_START_TRIES + 1):
+        before = {c.pid for c in me.children()}
         try:
             ray.init(**kwargs)
             return
         except Exception as e:
+            ray.shutdown()
+            _kill_trees([c for c in me.children() if c.pid not in before])
             if "timed out during startup" not in str(e) or attempt == RAY_START_TRIES:
                 raise
-            ray.shutdown()
             print(f"Ray's node did not start in time ({attempt}/{RAY_START_TRIES}); "
                   "starting it again", flush=True)  # fmt: skip
+
+
+def _kill_trees(procs: list[Any]) -> None:
+    """SIGKILL these processes and their descendants (psutil processes)."""
+    import psutil
+
+    every = [d for p in procs for d in _with_descendants(p)]
+    for p in every:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(every, timeout=5)
+
+
+def _with_descendants(proc: Any) -> list[Any]:
+    import psutil
+
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return [proc]
 
 
 def _device_request(resource: str | None, amount: float) -> dict[str, Any]:
@@ -435,7 +607,9 @@ class Placement:
                     "node; use a tp_size that divides each node's device count"
                 )
 
-    def _options(self, slot: Slot, share: float) -> dict[str, Any]:
+    def _options(
+        self, slot: Slot, share: float, env: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from titan_core.accelerator import accelerator_named
@@ -448,13 +622,17 @@ class Placement:
         }
         opts.update(_device_request(self.plan.resource, share))
         # Ray leaves the visible devices alone: each actor picks its device by the slot's id
-        env = accelerator_named(self.plan.accelerator).ray_actor_env()
+        env = {**accelerator_named(self.plan.accelerator).ray_actor_env(), **(env or {})}
         if env:
             opts["runtime_env"] = {"env_vars": env}
         return opts
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
-        return self._options(self.slots[rank], self.plan.trainer_share)
+        """Rank ``rank``'s actor options; its process starts with the plan's thread
+        environment (Ray would otherwise set ``OMP_NUM_THREADS`` to its CPU share)."""
+        threads = self.plan.threads
+        env = threads.env(threads.trainer) if threads is not None else None
+        return self._options(self.slots[rank], self.plan.trainer_share, env)
 
     def trainer_local_rank(self, rank: int) -> int:
         """The device a rank uses on its node (its rank on CPU bundles)."""

@@ -46,3 +46,38 @@ class StepTimer:
         out["time/step"] = end - self._begin
         self._last_end, self._begin, self._phases = end, None, {}
         return out
+
+
+class StartupTimer:
+    """The job's start-up, from the process's start to its first step, phase by phase.
+
+    Phases that run side by side (the trainers building while the engines start) are timed
+    as the driver waits for each: ``ended(name)`` marks a phase done at the time it returns.
+    """
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._origin = psutil.Process().create_time()
+        self._last = time.time()
+        self.phases: dict[str, float] = {"imports": self._last - self._origin}
+
+    def ended(self, name: str) -> None:
+        """Phase ``name`` ran from the previous mark until now."""
+        now = time.time()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return self._last - self._origin
+
+    def metrics(self) -> dict[str, float]:
+        """``time/startup`` and ``time/startup/<phase>``, in the first step's record."""
+        out = {f"time/startup/{k}": v for k, v in self.phases.items()}
+        out["time/startup"] = self.total
+        return out
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self.phases.items())
+        return f"start-up {self.total:.1f} s ({parts})"

@@ -363,18 +363,25 @@ class TitanEngines:
             resolve_backend,
         )
         from titan_rl.actors.engine_actor import RolloutEngineGroup
+        from titan_rl.placement import resolve_threads
 
         args, e = self.args, self.cfg.engines
         sglang = resolve_backend(e.backend, get_accelerator().device_type) == "sglang"
         per_engine = args.rollout_num_gpus_per_engine
         n = max(1, args.rollout_num_gpus // per_engine)
+        threads = resolve_threads(  # the main job's rule, on the framework's layout
+            self.cfg.trainer_threads, e.num_threads,
+            args.actor_num_nodes * args.actor_num_gpus_per_node, n, per_engine,
+            at_once=not args.colocate,
+        )  # fmt: skip
         group = RolloutEngineGroup.from_config(
             RolloutEnginesConfig(
                 num_engines=n,
                 server=EngineServerConfig(
                     model_path=model_path, backend=e.backend, tp_size=per_engine,
                     mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
-                    api_key=e.api_key, num_threads=e.num_threads, dtype=e.dtype,
+                    api_key=e.api_key, num_threads=threads.engine,
+                    env={} if sglang else threads.env(threads.engine), dtype=e.dtype,
                     chunked_prefill_size=e.chunked_prefill_size,
                     health_timeout_s=e.health_timeout_s,
                     enable_return_routed_experts=bool(

@@ -4,9 +4,12 @@ random Qwen3 (qk-norm, GQA, tied embeddings, a chat template) to run them on a C
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 PEERS = Path(__file__).resolve().parents[3] / "shared" / "peers"
@@ -93,3 +96,29 @@ def script_argv(script: str, changes: dict[str, str], *, num_gpus: int) -> list[
             n += 1
         argv[i + 1 : i + 1 + n] = value.split()
     return argv
+
+
+#: the converter's runs in this session: (model flags, the HF files' digest) -> (--save, output)
+_CONVERTED: dict[tuple[tuple[str, ...], str], tuple[Path, str]] = {}
+
+
+def convert_once(
+    model_flags: list[str], hf: Path, save: Path, run: Callable[[list[str]], str]
+) -> str:
+    """``python -m adapters.slime.convert_hf_to_torch_dist <model_flags> --hf-checkpoint HF
+    --save SAVE``, run by ``run`` (given the arguments after the module; returns the
+    output). slime's and miles' script tests convert the same tiny model with the same
+    flags (their model flags are slime's ``scripts/models/*.sh``): a conversion already run
+    in this session with these flags on a model of the same files is not run again, its
+    ``--save`` folder is copied to ``save`` (the same files but the recorded source path)."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in hf.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(hf).as_posix().encode() + b"\0" + f.read_bytes())
+    key = (tuple(model_flags), digest.hexdigest())
+    if key in _CONVERTED:
+        done, out = _CONVERTED[key]
+        shutil.copytree(done, save)
+        return out
+    out = run([*model_flags, "--hf-checkpoint", str(hf), "--save", str(save)])
+    _CONVERTED[key] = (save, out)
+    return out

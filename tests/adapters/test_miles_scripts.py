@@ -37,7 +37,7 @@ import pytest
 pytest.importorskip("miles.ray.train_actor", reason="miles' wheel (../shared/peers) is needed")
 
 from tests.adapters.miles_scripts import change, model_args, script_launch, train_argv  # noqa: E402
-from tests.adapters.slime_scripts import math_prompts, tiny_qwen3  # noqa: E402
+from tests.adapters.slime_scripts import convert_once, math_prompts, tiny_qwen3  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DENSE, MOE = "run_qwen3_4b.py", "run_qwen3_30b_a3b.py"
@@ -97,11 +97,15 @@ def _prepare(script: str, root: Path) -> tuple[Any, dict[str, str]]:
     math_prompts(data / "aime-2024" / "aime-2024.jsonl", 2, start=100)
     sizes = {**TINY_FLAGS, "--vocab-size": str(vocab), **(TINY_MOE_FLAGS if script == MOE else {})}
     conv = change(model_args(launch.megatron_model_type), sizes)
-    out = hf.parent / f"{hf.name}_torch_dist"
-    cmd = [sys.executable, "-m", "adapters.slime.convert_hf_to_torch_dist", *conv,
-           "--hf-checkpoint", str(hf), "--save", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(launch))
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    def run(args: list[str]) -> str:
+        cmd = [sys.executable, "-m", "adapters.slime.convert_hf_to_torch_dist", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(launch))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout
+
+    # the same conversion as test_slime_scripts': run once a session (slime_scripts)
+    convert_once(conv, hf, hf.parent / f"{hf.name}_torch_dist", run)
     return launch, sizes
 
 

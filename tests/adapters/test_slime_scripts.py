@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.adapters.slime_scripts import math_prompts, script_argv, tiny_qwen3
+from tests.adapters.slime_scripts import convert_once, math_prompts, script_argv, tiny_qwen3
 from titan_core.training.metrics import read_metrics
 
 pytest.importorskip("slime.ray.placement_group", reason="slime's wheel (../shared/peers) is needed")
@@ -53,8 +53,10 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
 
 def _convert(argv: list[str], first_model_flag: str, hf: Path, ref: Path) -> str:
     model = argv[argv.index(first_model_flag) : argv.index("--hf-checkpoint")]
-    return _run("adapters.slime.convert_hf_to_torch_dist", *model, "--hf-checkpoint", str(hf),
-                "--save", str(ref)).stdout  # fmt: skip
+    # the same conversion as test_miles_scripts': run once a session (slime_scripts)
+    return convert_once(
+        model, hf, ref, lambda args: _run("adapters.slime.convert_hf_to_torch_dist", *args).stdout
+    )
 
 
 def _offset(ckpt: Path, rollout_id: int) -> int:

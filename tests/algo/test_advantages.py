@@ -175,17 +175,24 @@ def test_returns_match_slimes_implementation(gamma):
     torch.testing.assert_close(discounted_returns(rewards, mask, gamma), want)
 
 
-def _whiten_on_ranks(rank: int, world: int, init: str, rows: list[int], out: str) -> None:
+#: the rows each of two DP ranks holds (rank r: rows[r] to rows[r + 1])
+SPLITS = {"rows0": [0, 4, 8], "rows1": [0, 2, 8]}
+
+
+def _whiten_on_ranks(rank: int, world: int, init: str, splits: list[list[int]], out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     rewards, mask, kl, cfgs = _whiten_case()
-    mine = slice(rows[rank], rows[rank + 1])
-    got = [
-        compute_advantages(rewards[mine], 2, mask[mine], cfg, kl=kl[mine], group=dist.group.WORLD)
-        for cfg in cfgs
-    ]
-    torch.save(got, f"{out}.{rank}")
+    for i, rows in enumerate(splits):
+        mine = slice(rows[rank], rows[rank + 1])
+        got = [
+            compute_advantages(
+                rewards[mine], 2, mask[mine], cfg, kl=kl[mine], group=dist.group.WORLD
+            )
+            for cfg in cfgs
+        ]
+        torch.save(got, f"{out}.{i}.{rank}")
     dist.destroy_process_group()
 
 
@@ -201,20 +208,28 @@ def _whiten_case() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[AlgoC
     return rewards, mask, kl, cfgs
 
 
-@pytest.mark.parametrize("rows", [[0, 4, 8], [0, 2, 8]])
-def test_whitening_over_dp_ranks_equals_the_whole_batch(tmp_path, rows):
-    """REINFORCE++ advantages of rows split over two DP ranks (gloo) equal those of the whole
-    batch in one process: the whitening statistics are the batch's, not each rank's."""
+@pytest.fixture(scope="module")
+def whitened_on_ranks(tmp_path_factory) -> dict[str, list[list[torch.Tensor]]]:
+    """Each split's advantages from its two gloo ranks ([rank][estimator]): one pair of
+    spawned processes for every split."""
     import torch.multiprocessing as mp
 
-    out = str(tmp_path / "adv")
-    init = f"file://{tmp_path / 'store'}"
-    mp.spawn(_whiten_on_ranks, args=(2, init, rows, out), nprocs=2, join=True)
+    tmp = tmp_path_factory.mktemp("whiten")
+    out = str(tmp / "adv")
+    init = f"file://{tmp / 'store'}"
+    mp.spawn(_whiten_on_ranks, args=(2, init, list(SPLITS.values()), out), nprocs=2, join=True)
+    return {name: [torch.load(f"{out}.{i}.{r}") for r in range(2)] for i, name in enumerate(SPLITS)}
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_whitening_over_dp_ranks_equals_the_whole_batch(whitened_on_ranks, split):
+    """REINFORCE++ advantages of rows split over two DP ranks (gloo) equal those of the whole
+    batch in one process: the whitening statistics are the batch's, not each rank's."""
     rewards, mask, kl, cfgs = _whiten_case()
-    parts = [torch.load(f"{out}.{r}") for r in range(2)]
+    parts = whitened_on_ranks[split]
     for i, cfg in enumerate(cfgs):
         whole = compute_advantages(rewards, 2, mask, cfg, kl=kl)
-        split = torch.cat([parts[0][i], parts[1][i]])
-        torch.testing.assert_close(split, whole, atol=1e-6, rtol=1e-6)
+        split_adv = torch.cat([parts[0][i], parts[1][i]])
+        torch.testing.assert_close(split_adv, whole, atol=1e-6, rtol=1e-6)
         alone = compute_advantages(rewards[:4], 2, mask[:4], cfg, kl=kl[:4])
         assert not torch.allclose(alone, whole[:4], atol=1e-3)  # per-rank stats would differ

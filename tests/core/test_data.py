@@ -66,15 +66,15 @@ def test_preprocess_jsonl_to_indexed_dataset(tmp_path):
     assert np.array_equal(ds[1][:-1], tok.tokenize("1+1=2"))
 
 
-def test_preprocess_rejects_broken_json(tmp_path):
+def test_preprocess_rejects_broken_json(tmp_path, capsys):
+    """The command's ``main`` in this process (its exit status; the process itself:
+    test_preprocess_jsonl_to_indexed_dataset)."""
+    from titan_core.data import preprocess
+
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "ok"}\n{broken\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_core.data.preprocess", "--input", str(src),
-         "--output-prefix", str(tmp_path / "o")],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "bad.jsonl:2: not valid JSON" in proc.stderr
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(tmp_path / "o")])
+    assert rc == 2 and "bad.jsonl:2: not valid JSON" in capsys.readouterr().err
 
 
 def test_unknown_tokenizer_type():

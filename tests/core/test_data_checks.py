@@ -196,19 +196,20 @@ def test_preprocess_records_the_tokenizer(tmp_path):
     assert record.num_tokens == sum(len(tok.tokenize(t)) + 1 for t in texts)
 
 
-def test_data_from_another_tokenizer_is_refused(tmp_path):
-    """Ids of a 26-token tokenizer all fit the byte tokenizer's 258: it trained silently."""
+def test_data_from_another_tokenizer_is_refused(tmp_path, capsys):
+    """Ids of a 26-token tokenizer all fit the byte tokenizer's 258: it trained silently.
+    (Both commands' ``main`` in this process; a start-up refusal through the process
+    itself: test_a_truncated_bin_is_refused_at_start_up.)"""
     tok_file = _hf_tokenizer(tmp_path / "tok.json")
     prefix = tmp_path / "c"
-    proc = _preprocess_cli("--input", str(_jsonl(tmp_path / "c.jsonl", _texts(300, 20))),
-                           "--output-prefix", str(prefix), "--tokenizer-type", "hf",
-                           "--tokenizer-model", str(tok_file))  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    proc = run_pretrain(TINY, [*RUN, f"data.data_path=[{prefix}]", f"run.dir={tmp_path / 'r'}"],
-                        check=False)  # fmt: skip
-    assert proc.returncode == 2
-    err = proc.stderr
-    assert f"data.data_path {prefix}" in err and BANNER not in proc.stdout
+    rc = preprocess.main(["--input", str(_jsonl(tmp_path / "c.jsonl", _texts(300, 20))),
+                          "--output-prefix", str(prefix), "--tokenizer-type", "hf",
+                          "--tokenizer-model", str(tok_file)])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc, err = _pretrain([*RUN, f"data.data_path=[{prefix}]", f"run.dir={tmp_path / 'r'}"], capsys)
+    assert rc == 2
+    assert f"data.data_path {prefix}" in err
     assert "vocabulary 26" in err and "ByteTokenizer (vocabulary 258)" in err
     assert "data.tokenizer_type" in err and "preprocess" in err
 
@@ -309,13 +310,13 @@ def test_an_empty_dataset_is_named(tmp_path, capsys):
     assert rc == 2 and f"{prefix}.idx lists no documents" in err
 
 
-def test_preprocessing_an_empty_file_fails_and_writes_nothing(tmp_path):
+def test_preprocessing_an_empty_file_fails_and_writes_nothing(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("")
     out = tmp_path / "out"
     out.mkdir()
-    proc = _preprocess_cli("--input", str(src), "--output-prefix", str(out / "d"))
-    assert proc.returncode == 2 and f"{src}: no documents" in proc.stderr
+    rc = preprocess.main(["--input", str(src), "--output-prefix", str(out / "d")])
+    assert rc == 2 and f"{src}: no documents" in capsys.readouterr().err
     assert list(out.iterdir()) == []
 
 

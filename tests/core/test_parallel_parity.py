@@ -6,12 +6,24 @@ dist_checkpointing reshards into every layout, so any difference is the layout's
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from tests.core.pretrain_runner import FAST, TINY, TINY_MOE, losses, run_pretrain
 
 pytestmark = pytest.mark.slow
 STEPS = ["train.train_iters=3"]
+#: the layouts run on 2 processes from the seed checkpoint
+LAYOUTS = {
+    "tp2": ["parallel.tensor_model_parallel_size=2"],
+    "pp2-1f1b": ["parallel.pipeline_model_parallel_size=2"],
+    "pp2-vpp2": [
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.virtual_pipeline_model_parallel_size=2",
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,49 +42,43 @@ def dense_reference(tmp_path_factory, dense_seed) -> list[float]:
     return losses(d)
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["parallel.tensor_model_parallel_size=2"],
-        ["parallel.pipeline_model_parallel_size=2"],
-        [
-            "parallel.pipeline_model_parallel_size=2",
-            "parallel.virtual_pipeline_model_parallel_size=2",
-        ],
-    ],
-    ids=["tp2", "pp2-1f1b", "pp2-vpp2"],
-)
-def test_dense_layout_matches_single_process(tmp_path, dense_seed, dense_reference, layout):
-    run_pretrain(
-        TINY,
-        [
-            *FAST,
-            *STEPS,
-            *layout,
-            f"run.dir={tmp_path}",
-            f"checkpoint.pretrained_checkpoint={dense_seed}",
-        ],
-        nproc=2,
-    )
-    got = losses(tmp_path)
+@pytest.fixture(scope="module")
+def layout_run(tmp_path_factory, dense_seed) -> Callable[[str], Path]:
+    """``layout_run(name)``: the run folder of the seed's 3 steps at ``LAYOUTS[name]`` on 2
+    processes, run once for every test that reads it (the same command: the layout's loss
+    parity, the TP=2 vocabulary rows, the plain side of the VPP activation offload)."""
+    done: dict[str, Path] = {}
+
+    def run(name: str) -> Path:
+        if name not in done:
+            d = tmp_path_factory.mktemp(name)
+            run_pretrain(
+                TINY,
+                [*FAST, *STEPS, *LAYOUTS[name], f"run.dir={d}",
+                 f"checkpoint.pretrained_checkpoint={dense_seed}"],
+                nproc=2,
+            )  # fmt: skip
+            done[name] = d
+        return done[name]
+
+    return run
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dense_layout_matches_single_process(layout_run, dense_reference, layout):
+    got = losses(layout_run(layout))
     assert len(got) == len(dense_reference) == 3
     assert got == pytest.approx(dense_reference, rel=1e-4)
     assert got[-1] < got[0], "the loss should fall over three steps"
 
 
-def test_padded_vocabulary_follows_the_checkpoint(tmp_path, dense_seed):
+def test_padded_vocabulary_follows_the_checkpoint(dense_seed, layout_run):
     """A TP=1 checkpoint pads the vocabulary to 384 rows, a new TP=2 model to 512: loaded at
     TP=2 it keeps the checkpoint's 384 rows (the same model), and its HF export says so."""
     from titan_core.checkpoint import latest_iteration, saved_vocab_rows
 
     assert saved_vocab_rows(dense_seed, latest_iteration(dense_seed)) == 384
-    run_pretrain(
-        TINY,
-        [*FAST, *STEPS, "parallel.tensor_model_parallel_size=2", f"run.dir={tmp_path}",
-         f"checkpoint.pretrained_checkpoint={dense_seed}"],
-        nproc=2,
-    )  # fmt: skip
-    saved = tmp_path / "checkpoints"
+    saved = layout_run("tp2") / "checkpoints"
     assert saved_vocab_rows(saved, latest_iteration(saved)) == 384
 
 
@@ -104,19 +110,16 @@ def test_moe_expert_parallel_matches_single_process(tmp_path_factory):
     assert losses(ep_dir) == pytest.approx(losses(ref_dir), rel=1e-4)
 
 
-def test_activation_offload_on_vpp_changes_nothing(tmp_path, dense_seed):
+def test_activation_offload_on_vpp_changes_nothing(tmp_path, dense_seed, layout_run):
     """megatron's fine-grained activation offload (1F1B/VPP aware) against the same run
-    without it: identical losses."""
-    common = [*FAST, *STEPS, f"checkpoint.pretrained_checkpoint={dense_seed}",
-              "parallel.pipeline_model_parallel_size=2",
-              "parallel.virtual_pipeline_model_parallel_size=2"]  # fmt: skip
-    run_pretrain(TINY, [*common, f"run.dir={tmp_path / 'plain'}"], nproc=2)
+    without it (the pp2-vpp2 layout's run): identical losses."""
     run_pretrain(
         TINY,
-        [*common, f"run.dir={tmp_path / 'offload'}", "train.offload_modules=[core_attn]"],
+        [*FAST, *STEPS, *LAYOUTS["pp2-vpp2"], f"run.dir={tmp_path / 'offload'}",
+         f"checkpoint.pretrained_checkpoint={dense_seed}", "train.offload_modules=[core_attn]"],
         nproc=2,
-    )
-    assert losses(tmp_path / "offload") == pytest.approx(losses(tmp_path / "plain"), rel=1e-6)
+    )  # fmt: skip
+    assert losses(tmp_path / "offload") == pytest.approx(losses(layout_run("pp2-vpp2")), rel=1e-6)
 
 
 def test_expert_parallel_overlap_matches_plain_schedule(tmp_path):

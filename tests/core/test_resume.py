@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_resume_equals_straight_run(tmp_path):
+    """A run stopped at step 5 and started again continues exactly as if never stopped, from
+    its last complete checkpoint: a save killed before the tracker update leaves a folder
+    that resume ignores, and the steps recorded after the checkpoint are recorded once."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_pretrain(TINY, [*FAST, "train.train_iters=10", f"run.dir={straight}"])
     # The first half stops at step 5 (and saves); the second run resumes from it.
@@ -22,10 +24,22 @@ def test_resume_equals_straight_run(tmp_path):
         TINY,
         [*FAST, "train.train_iters=5", "train.lr_decay_iters=10", f"run.dir={split}"],
     )
+    ckpt = split / "checkpoints"
+    assert latest_iteration(ckpt) == 5
+    # Simulate a kill during the save of step 7: its folder exists, the tracker still says 5.
+    shutil.copytree(ckpt / "iter_0000005", ckpt / "iter_0000007")
+    for f in (ckpt / "iter_0000007").glob("*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])  # torn shard files
+    assert (ckpt / TRACKER).read_text().strip() == "5"
+    # ... after steps 6 and 7 were recorded (and the kill tore a line)
+    with open(split / "metrics.jsonl", "ab") as f:
+        f.write(b'{"step": 6, "loss": 1.0}\n{"step": 7, "loss": 1.0}\n{"step": 8, "lo')
     proc = run_pretrain(
         TINY, [*FAST, "train.train_iters=10", "train.lr_decay_iters=10", f"run.dir={split}"]
     )
     assert "resumed from" in proc.stdout and "at step 5" in proc.stdout
+    assert latest_iteration(ckpt) == 10 and (ckpt / "iter_0000010").is_dir()
+    # the repeated steps are recorded once, by the run that resumed
     steps = [r["step"] for r in read_metrics(split / "metrics.jsonl")]
     assert steps == list(range(1, 11))
     assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
@@ -43,27 +57,6 @@ def test_save_at_tp2_resume_at_tp1(tmp_path):
     )  # fmt: skip
     assert "at step 3" in proc.stdout
     assert losses(resharded) == pytest.approx(losses(straight), rel=1e-4)
-
-
-def test_incomplete_checkpoint_is_never_resumed(tmp_path):
-    """A save killed before the tracker update leaves a folder that resume ignores."""
-    run_pretrain(TINY, [*FAST, "train.train_iters=2", f"run.dir={tmp_path}"])
-    ckpt = tmp_path / "checkpoints"
-    assert latest_iteration(ckpt) == 2
-    # Simulate a kill during the save of step 4: its folder exists, the tracker still says 2.
-    shutil.copytree(ckpt / "iter_0000002", ckpt / "iter_0000004")
-    for f in (ckpt / "iter_0000004").glob("*.distcp"):
-        f.write_bytes(f.read_bytes()[:10])  # torn shard files
-    assert (ckpt / TRACKER).read_text().strip() == "2"
-    # ... after steps 3 and 4 were recorded (and the kill tore a line)
-    with open(tmp_path / "metrics.jsonl", "ab") as f:
-        f.write(b'{"step": 3, "loss": 1.0}\n{"step": 4, "loss": 1.0}\n{"step": 5, "lo')
-    proc = run_pretrain(TINY, [*FAST, "train.train_iters=3", f"run.dir={tmp_path}"])
-    assert "at step 2" in proc.stdout
-    assert latest_iteration(ckpt) == 3
-    # the repeated step is recorded once, by the run that resumed
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
-    assert Path(ckpt / "iter_0000003").is_dir()
 
 
 def test_distributed_optimizer_resumes_exactly_at_dp2_and_dp1(tmp_path):

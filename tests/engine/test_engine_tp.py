@@ -314,7 +314,10 @@ def test_heads_not_divisible_fail_at_start_up(dirs: dict) -> None:
         _engine(dirs["dense"], 3)
     from titan_rl.engine.cli import main
 
-    with pytest.raises(SystemExit, match=r"error: --tp-size 3"):
+    # python -m titan_rl.engine runs this main: the message goes to stderr, exit status 1
+    with pytest.raises(
+        SystemExit, match=r"error: --tp-size 3 does not divide the model's 4 attention heads"
+    ):
         main(["--model-path", str(dirs["dense"]), "--tp-size", "3", "--port", str(free_port())])
 
 

@@ -1,7 +1,8 @@
 """HF <-> Megatron mapping: same logits as transformers (fp32, 1e-4) and exact round trips.
 
 Each family's tiny random model is loaded into megatron-core at TP=1 (one process) and at
-TP=2 (torchrun, gloo); PP=2 and EP=2 check the exporter's collect over stages and experts.
+TP=2 (torchrun, gloo); PP=2 and EP=2 check the exporter's collect over stages and experts
+(the three 2-process layouts in one torchrun).
 """
 
 from __future__ import annotations
@@ -68,20 +69,41 @@ def test_tp1_logits_and_round_trip(cases: dict[str, Path], tmp_path: Path) -> No
     check(run_worker(tmp_path, list(cases.values()), 1), FAMILIES)
 
 
-@pytest.mark.slow
-def test_tp2_logits_and_round_trip(cases: dict[str, Path], tmp_path: Path) -> None:
-    check(run_worker(tmp_path, list(cases.values()), 2, "--tp", "2"), FAMILIES)
+#: the 2-process layouts and the families each loads: PP=2 a tied (output layer on the last
+#: stage) and an untied one, EP=2 the MoE
+TWO_RANKS = {
+    "tp2": ({"tp": 2, "pp": 1, "ep": 1}, FAMILIES),
+    "pp2": ({"tp": 1, "pp": 2, "ep": 1}, ["llama", "qwen2"]),
+    "ep2": ({"tp": 1, "pp": 1, "ep": 2}, ["qwen3_moe"]),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(cases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every layout of TWO_RANKS in one torchrun of 2 processes (the worker makes
+    megatron's groups again for each): ``{layout: {family: result}}``."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    plan = {
+        name: {**layout, "dirs": [str(cases[f]) for f in fams]}
+        for name, (layout, fams) in TWO_RANKS.items()
+    }
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    return run_worker(tmp, [], 2, "--plan", str(tmp / "plan.json"))
 
 
 @pytest.mark.slow
-def test_pp2_export_collects_stages(cases: dict[str, Path], tmp_path: Path) -> None:
-    fams = ["llama", "qwen2"]  # tied (output layer on the last stage) and untied
-    check(run_worker(tmp_path, [cases[f] for f in fams], 2, "--pp", "2"), fams, logits=False)
+def test_tp2_logits_and_round_trip(two_ranks: dict) -> None:
+    check(two_ranks["tp2"], FAMILIES)
 
 
 @pytest.mark.slow
-def test_ep2_logits_and_round_trip(cases: dict[str, Path], tmp_path: Path) -> None:
-    check(run_worker(tmp_path, [cases["qwen3_moe"]], 2, "--ep", "2"), ["qwen3_moe"])
+def test_pp2_export_collects_stages(two_ranks: dict) -> None:
+    check(two_ranks["pp2"], TWO_RANKS["pp2"][1], logits=False)
+
+
+@pytest.mark.slow
+def test_ep2_logits_and_round_trip(two_ranks: dict) -> None:
+    check(two_ranks["ep2"], ["qwen3_moe"])
 
 
 # ---- in-process unit checks (no process groups) ------------------------------------------

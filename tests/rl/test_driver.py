@@ -264,3 +264,26 @@ def test_a_stop_cancels_a_coroutine_that_started_no_task():
         assert until_stopped(aio, asyncio.sleep(0, result=7), StopSignals()) == 7
     finally:
         aio.close()
+
+
+def test_null_intervals_evaluate_and_save_nothing(tmp_path):
+    """``run.eval_interval=null`` / ``run.save_interval=null``: no step-0 or last-step
+    evaluation, no checkpoint at the last step (slime's unset ``--eval-interval`` /
+    ``--save-interval``); the steps still run and record."""
+    driver, log, _ = _driver(
+        tmp_path, "run.num_steps=3", "run.eval_interval=null", "run.save_interval=null"
+    )
+    assert _run(driver) == 0
+    assert [e for e in log if e[0] in ("evaluate", "save")] == []
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert not any("eval/accuracy" in r for r in recs)
+    assert recs[0]["data/skipped_rows"] == 3  # the first record carries the data stats
+    assert (tmp_path / "reward.png").is_file()
+
+
+def test_null_save_interval_still_saves_on_a_signal(tmp_path):
+    driver, log, rollouts = _driver(tmp_path, "run.num_steps=5", "run.save_interval=null")
+    rollouts.stop_at = 3
+    assert _run(driver) == 128 + signal.SIGTERM
+    assert [e for e in log if e[0] == "save"] == [("save", 2, {"epoch": 0, "offset": 4})]

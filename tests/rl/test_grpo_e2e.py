@@ -57,6 +57,14 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
     assert last > first + 0.2, f"reward went {first:.2f} -> {last:.2f}"
     for key in ("time/rollout", "time/train", "time/sync", "train/grad_norm"):
         assert key in recs[-1]
+    # the start-up, phase by phase, in the first step's record and one line
+    phases = {k: v for k, v in recs[0].items() if k.startswith("time/startup/")}
+    assert set(phases) == {
+        f"time/startup/{p}"
+        for p in ("imports", "prepare", "ray", "trainers", "engines", "connect", "eval")
+    }
+    assert sum(phases.values()) == pytest.approx(recs[0]["time/startup"], rel=1e-6)
+    assert "time/startup" not in recs[1]
     checked = [r for r in recs if "sync/logprob_abs_diff_mean" in r]
     assert checked and all(r["sync/logprob_abs_diff_mean"] < 1e-4 for r in checked)
     assert (run_dir / "reward.png").stat().st_size > 1000

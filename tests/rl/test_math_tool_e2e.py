@@ -4,8 +4,6 @@ and the tool-answer reward; eval accuracy and the multi-turn tool metrics are re
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,23 +30,12 @@ def test_the_example_and_its_base_recipe_agree() -> None:
 
 
 @pytest.mark.slow
-def test_math_tool_example_records_tool_use_and_eval_accuracy(tmp_path: Path) -> None:
-    base, run_dir = tmp_path / "base", tmp_path / "grpo"
-    # a short base: half the rows tool transcripts, so sampling calls the calculator
-    recipe = (
-        f"[run.dir={base}, train.train_iters=120, train.lr_warmup_iters=20, "
-        "train.stop_at_eval_accuracy=null, train.eval_interval=120, data.tool_fraction=0.5, "
-        "data.num_samples=8000]"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-m", "titan_rl.grpo", "--config", str(CONFIG),
-         f"policy.load={base / 'checkpoints'}", f"policy.pretrain_overrides={recipe}",
-         f"run.dir={run_dir}", "run.num_steps=3", "run.eval_interval=3", "run.save_interval=0",
-         "data.num_eval=16", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
-         "train.micro_batch_size=32", "train.global_batch_size=32", "ppo_steps=1"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
-    )  # fmt: skip
+def test_math_tool_example_records_tool_use_and_eval_accuracy(math_tool_run) -> None:
+    # the job (tests/rl/conftest.py): a 120-step base pretrained through
+    # policy.pretrain_config, then 3 GRPO steps
+    proc, run_dir = math_tool_run.proc, math_tool_run.run_dir
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (math_tool_run.base / "checkpoints").is_dir()
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [r for r in records if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 3]

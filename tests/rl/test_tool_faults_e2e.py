@@ -34,18 +34,19 @@ def _records(path: Path) -> list[dict]:
     return read_metrics(path) if path.exists() else []
 
 
-def test_a_never_returning_tool_neither_stalls_the_run_nor_holds_its_exit(tmp_path: Path):
-    base, run_dir = tmp_path / "base", tmp_path / "grpo"
-    # a few pretraining steps are enough: every turn with any text calls the stuck tool
-    recipe = (
-        f"[run.dir={base}, train.train_iters=20, train.lr_warmup_iters=5, "
-        "train.stop_at_eval_accuracy=null, train.eval_interval=20, data.num_samples=2000]"
-    )
+def test_a_never_returning_tool_neither_stalls_the_run_nor_holds_its_exit(
+    tmp_path: Path, math_tool_run
+):
+    run_dir = tmp_path / "grpo"
+    # any base of the example's model will do (every turn with any text calls the stuck
+    # tool): the one test_math_tool_e2e's job pretrained (tests/rl/conftest.py)
+    base = math_tool_run.base
+    assert math_tool_run.proc.returncode == 0, math_tool_run.proc.stderr[-6000:]
     out, err = (tmp_path / "stdout.txt").open("w"), (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math_tool.yaml"),
-         f"policy.load={base / 'checkpoints'}", f"policy.pretrain_overrides={recipe}",
-         f"run.dir={run_dir}", "run.num_steps=2", "run.eval_interval=2", "run.save_interval=0",
+         f"policy.load={base / 'checkpoints'}", f"run.dir={run_dir}", "run.num_steps=2",
+         "run.eval_interval=2", "run.save_interval=0",
          "data.num_eval=16", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
          "train.micro_batch_size=32", "train.global_batch_size=32", "ppo_steps=1",
          "rollout.generate_fn=tests/rl/stuck_tool.py:generate"],
@@ -56,7 +57,7 @@ def test_a_never_returning_tool_neither_stalls_the_run_nor_holds_its_exit(tmp_pa
     # good in step 1's record (the engine recovery's report runs there): no record after
     # step 0's, and a SIGTERM could not stop it either
     seen, last_record_at = 0, None
-    deadline = time.monotonic() + 2 * STALLED_AFTER_S  # pretraining and start-up
+    deadline = time.monotonic() + 2 * STALLED_AFTER_S  # start-up
     try:
         while proc.poll() is None and time.monotonic() < deadline:
             records = _records(metrics)

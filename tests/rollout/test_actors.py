@@ -1,14 +1,12 @@
-"""Engine actors: command lines, typed configs, supervision (restart), Ray group + router."""
+"""Engine actors: command lines, typed configs, Ray group + router (supervision and restart:
+tests/rollout/test_engine_restart.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -106,59 +104,6 @@ def test_typed_config_names_the_bad_key(tmp_path: Path) -> None:
         ["server.model_path=/m", "server.backend=builtin", "server.tp_size=2"],
     )
     assert tp2.server.tp_size == 2
-
-
-def test_engine_cli_rejects_tp_size(tiny_model: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "titan_rl.engine",
-            "--model-path",
-            str(tiny_model),
-            "--tp-size",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(Path.cwd())},
-    )
-    assert (
-        proc.returncode != 0 and "--tp-size 3" in proc.stderr and "4 attention heads" in proc.stderr
-    )
-
-
-@pytest.mark.slow
-def test_server_restarted_after_it_dies(tiny_model: Path, tmp_path: Path) -> None:
-    cfg = EngineServerConfig(
-        model_path=str(tiny_model),
-        backend="builtin",
-        num_threads=1,
-        log_dir=str(tmp_path),
-        max_restarts=1,
-        startup_timeout_s=120,
-    )
-    server = ServerProcess(cfg, name="supervised")
-    try:
-        server.start()
-        server.watch(interval_s=0.2)
-        first = server.pid
-        os.killpg(first, signal.SIGKILL)
-        deadline = time.monotonic() + 90
-        while not (server.restarts == 1 and server.alive() and server.pid != first):
-            assert time.monotonic() < deadline, server.log_tail()
-            time.sleep(0.2)
-        server.wait_healthy(60)
-        out = httpx.post(
-            server.url + "/generate",
-            json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-            timeout=30,
-        )
-        assert out.status_code == 200 and len(out.json()["output_ids"]) == 2
-    finally:
-        server.stop()
-    assert not server.alive()
 
 
 @pytest.mark.slow

@@ -2,7 +2,9 @@
 weights, EngineRecovery gives it the current ones before its answers count, and the rollout
 ends with every sample from the current version and the tokens a rollout without the kill
 gives. Alone (the client waits for it), and as one of two behind the real sglang-router
-(the other serves meanwhile; the killed one rejoins on the current weights)."""
+(the other serves meanwhile; the killed one rejoins on the current weights). The lone one is
+supervised with ``max_restarts=1``: the one restart allowed is made, and stop() ends the
+restarted server."""
 
 from __future__ import annotations
 
@@ -36,10 +38,10 @@ ROLLOUT = RolloutConfig(
 PROMPTS = [Prompt(text=f"{i}", label="", metadata={}) for i in range(8)]
 
 
-def _supervised(model: Path, log_dir: Path, name: str) -> ServerProcess:
+def _supervised(model: Path, log_dir: Path, name: str, max_restarts: int = 2) -> ServerProcess:
     cfg = EngineServerConfig(
         model_path=str(model), backend="builtin", num_threads=1, log_dir=str(log_dir),
-        startup_timeout_s=120, weight_version="0", max_restarts=2,
+        startup_timeout_s=120, weight_version="0", max_restarts=max_restarts,
     )  # fmt: skip
     server = ServerProcess(cfg, name=name)
     server.start(wait=False)
@@ -129,10 +131,12 @@ def stop_after() -> Iterator[list[Any]]:
 def test_single_engine_killed_mid_rollout_finishes_on_the_current_weights(
     tiny_model: Path, current_model: Path, tmp_path: Path, stop_after: list[Any]
 ) -> None:
-    server = _supervised(tiny_model, tmp_path, "lone")
+    # max_restarts=1: the one restart allowed is made
+    server = _supervised(tiny_model, tmp_path, "lone", max_restarts=1)
     stop_after.append(server)
     server.wait_healthy()
     server.watch(interval_s=0.2)
+    first = server.pid
     _load(server.url, current_model, "1")  # the run's first sync
     resync, calls = _resync_from(current_model)
     recovery = EngineRecovery([server.url], resync, version="1", timeout_s=120, interval_s=0.2)
@@ -150,10 +154,13 @@ def test_single_engine_killed_mid_rollout_finishes_on_the_current_weights(
 
     reference, result, retried, report = asyncio.run(main())
     assert server.restarts == 1 and retried > 0
+    assert server.alive() and server.pid != first
     assert calls and all(c == ([server.url], "1") for c in calls)
     assert {s.weight_version for s in result.samples} == {"1"}
     assert _tokens(result) == _tokens(reference)  # the same greedy answers: current weights
     assert report["engines/resyncs"] == len(calls) and report["engines/serving"] == 1
+    server.stop()  # the restarted server stops with its supervisor
+    assert not server.alive()
 
 
 def test_one_of_two_engines_behind_the_router_killed_the_other_serves_it_rejoins(

@@ -6,7 +6,10 @@ weights are perturbed in place, so every sync carries weights the engine has not
 ``tensor-direct`` is the tensor transport with ``sync.tensor.format=direct``; ``--syncs N``
 syncs N times per transport (perturbing before each), reporting each in ``rounds``.
 ``--supervised``: the engines are supervised (an unreachable one is lost, not a failure);
+a transport named with ``+supervised`` (``tensor+supervised``) is synced that way alone.
 ``--no-check-before``: no parity check before the sync (it needs every engine to answer).
+Each result's ``engine_versions``: every engine's weight version after that transport's
+syncs (None: it did not answer).
 """
 
 from __future__ import annotations
@@ -43,7 +46,9 @@ def main() -> None:
 
     chunks = hf_trainer_chunks(a.model_dir, tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp)
     results = []
-    for i, transport in enumerate(a.transports):
+    for i, given in enumerate(a.transports):
+        transport = given.removesuffix("+supervised")
+        supervised = a.supervised or given != transport
         name = transport.removesuffix("-direct")
         settings = {  # the chosen transport's section
             "tensor": {"format": "direct" if transport == "tensor-direct" else "flattened_bucket"},
@@ -55,8 +60,8 @@ def main() -> None:
             transport=name, bucket_bytes=a.bucket_bytes, check_every=1, strict=False,
             **{name: settings},
         )  # fmt: skip
-        ws = WeightSync(sc, a.engines, a.model_dir, supervised=a.supervised)
-        res: dict = {"transport": transport, "rounds": []}
+        ws = WeightSync(sc, a.engines, a.model_dir, supervised=supervised)
+        res: dict = {"transport": given, "rounds": []}
         for j in range(a.syncs):
             if not a.no_perturb:  # in place, as an optimizer step
                 perturb(chunks, seed=100 + i + 1000 * j)
@@ -84,10 +89,21 @@ def main() -> None:
             staging = ws._transport.staging if ws._transport is not None else []
             res["staged_bytes"] = sum(s.buf.numel() for s in staging if s.buf is not None)
         ws.close()
+        if dist.get_rank() == 0:
+            res["engine_versions"] = {url: _weight_version(url) for url in a.engines}
         results.append(res)
     if dist.get_rank() == 0:
         Path(a.out).write_text(json.dumps(results, indent=1))
     shutdown()
+
+
+def _weight_version(url: str) -> str | None:
+    import httpx
+
+    try:
+        return httpx.get(f"{url}/get_model_info", timeout=10).json()["weight_version"]
+    except httpx.HTTPError:
+        return None
 
 
 if __name__ == "__main__":

@@ -333,19 +333,24 @@ def test_an_engine_lost_mid_sync_is_left_to_its_supervisor(
     # on the first refused connection: a sync never retries, because a retry could reach a
     # restarted server that missed the calls before it. Supervised (the GRPO job), the live
     # engine takes the weights and reaches parity; the lost one is counted and not scored.
+    # one trainer process for both: the tensor sync unsupervised (v1), then supervised (v2)
     dead = _dead_url()
-    args = ["--engines", engine.url, dead, "--model-dir", str(model_dir), "--transports", "tensor"]
-    args += ["--no-check-before"]
-    (r,) = run_worker(tmp_path, *args)
+    unsupervised, supervised = run_worker(
+        tmp_path, "--engines", engine.url, dead, "--model-dir", str(model_dir),
+        "--transports", "tensor", "tensor+supervised", "--no-check-before",
+    )  # fmt: skip
+    r = unsupervised
     assert r["failed"] == [dead], r
     assert "after 1 attempts" in r["error"], r["error"]
-    assert weight_version(engine.url) == "v1"  # the other engine is consistent
-    (r,) = run_worker(tmp_path, *args, "--supervised")
+    # the other engine is consistent
+    assert r["engine_versions"] == {engine.url: "v1", dead: None}, r
+    r = supervised
     assert "error" not in r, r
     m = r["metrics"]
     assert m["sync/engines_lost"] == 1 and m["sync/parity_skipped"] == 1, m
     assert m["sync/logprob_abs_diff_max"] < 1e-4, m
-    assert weight_version(engine.url) == "v1"
+    assert r["version"] == "v2" and r["engine_versions"][engine.url] == "v2", r
+    assert weight_version(engine.url) == "v2"
 
 
 def test_engine_keeps_the_storages_of_two_weight_versions_mapped() -> None:

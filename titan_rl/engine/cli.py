@@ -198,6 +198,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    import torch
+
+    print(  # what a run's engine log says it runs with (tests/rl read it back)
+        f"titan_rl.engine: {torch.get_num_threads()} torch threads per TP rank "
+        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})",
+        file=sys.stderr,
+        flush=True,
+    )
     app = create_app(
         engine,
         api_key=args.api_key,

@@ -31,8 +31,9 @@ class TrainerWorker:
 
         return ray.util.get_node_ip_address(), free_port("")
 
-    def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the process group and build the Megatron trainer (after ``master_address``)."""
+    def setup(self, rendezvous: tuple[str, int]) -> None:
+        """Join the process group at rank 0's ``master_address`` and build the trainer."""
+        master_addr, master_port = rendezvous
         os.environ.update(
             RANK=str(self.rank),
             WORLD_SIZE=str(self.world_size),
@@ -46,6 +47,11 @@ class TrainerWorker:
         threads = cfg.pop("_torch_threads", None)
         if threads:
             torch.set_num_threads(int(threads))
+        print(
+            f"trainer rank {self.rank}: {torch.get_num_threads()} torch threads "
+            f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})",
+            flush=True,
+        )
         from titan_core.training.profiling import StepProfiler
         from titan_rl.trainer.policy import PolicyTrainer
 
@@ -165,29 +171,39 @@ class TrainerGroup:
     group owns the placement group (it outlives the engines) and removes it on shutdown.
     """
 
-    def __init__(
-        self, cfg: GRPOConfig, placement: Placement, torch_threads: int | None = None
-    ) -> None:
+    def __init__(self, cfg: GRPOConfig, placement: Placement) -> None:
         import ray
 
         n = cfg.trainer_processes
         self.placement = placement
         worker_cls = ray.remote(TrainerWorker)
         payload = cfg.model_dump(mode="json", by_alias=True)
-        if torch_threads:
-            payload["_torch_threads"] = torch_threads
+        threads = placement.plan.threads
+        if threads is not None:  # the plan's, also in each rank's environment
+            payload["_torch_threads"] = threads.trainer
         self.workers = [
             worker_cls.options(**placement.trainer_options(r)).remote(
                 dict(payload), r, n, placement.trainer_local_rank(r)
             )
             for r in range(n)
         ]
-        addr, port = ray.get(self.workers[0].master_address.remote())
-        self._all("setup", addr, port)
+        # every rank builds at once, meeting at rank 0's address (Ray passes it on when it
+        # is known); the driver starts the engines meanwhile and waits in ready()
+        rendezvous = self.workers[0].master_address.remote()
+        self._setup: list[Any] | None = [w.setup.remote(rendezvous) for w in self.workers]
+
+    def ready(self) -> None:
+        """Wait until every rank is built (a rank's error in building is raised here)."""
+        import ray
+
+        if self._setup is not None:
+            refs, self._setup = self._setup, None
+            ray.get(refs)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         import ray
 
+        self.ready()
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
     def save_hf(self, path: str) -> None:
@@ -206,6 +222,7 @@ class TrainerGroup:
     def train_async(self, batch: RLBatch, step: int | None = None) -> TrainCall:
         """Start the policy update on every rank and return at once, so the driver can roll
         out the next step meanwhile (async rollout); ``.result()`` waits for it."""
+        self.ready()
         return TrainCall([w.train.remote(batch, step) for w in self.workers])
 
     def train(self, batch: RLBatch, step: int | None = None) -> dict[str, float]:
@@ -230,7 +247,8 @@ class TrainerGroup:
         import ray
 
         try:
-            self._all("shutdown")
+            if self._setup is None:  # built: leave the process group cleanly
+                self._all("shutdown")
         finally:
             for w in self.workers:
                 ray.kill(w)

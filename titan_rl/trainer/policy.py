@@ -73,6 +73,59 @@ def token_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+#: the update's loss function hands its detached logprobs back under this key (the old
+#: logprobs, when they are the update's own)
+OLD_LOGPROBS_KEY = "old_logprobs"
+
+
+def old_logprobs_forward_reason(cfg: GRPOConfig, tf: Any, rows: RLBatch) -> str | None:
+    """Why ``rows`` needs a no-grad forward of its own for the old logprobs before the policy
+    update; None: the update's own forward gives them (its logprobs, detached), so that
+    forward is skipped.
+
+    With one optimizer step per batch (``ppo_steps`` 1) the policy that the old logprobs
+    describe is the one being trained, as TRL's GRPOTrainer and verl use (ratio 1; the
+    gradient is the same). The separate forward stays where:
+
+    - ``algo.recompute_old_logprobs`` asks for it;
+    - ``ppo_steps`` > 1: the later updates' policy is not the old one;
+    - the batch brings its own old logprobs (slime / miles, once for several steps): no
+      forward either way;
+    - ``algo.use_kl_in_reward``: the KL penalty (old - ref) goes into the advantages, which
+      the update's loss reads;
+    - ``algo.use_rs`` (MIS): the tokens it drops leave the loss normaliser (total_tokens,
+      total_seqs), which the loss reads;
+    - dropout (``hidden_dropout`` / ``attention_dropout`` > 0): the old forward runs in eval
+      mode, the update's in train mode, so their logprobs differ;
+    - sinkhorn load balancing or MoE input jitter: train-mode routers route otherwise than
+      eval-mode ones.
+
+    TIS and IcePop only weight tokens inside the loss (IcePop's popped tokens stay in the
+    normaliser), from the same values; the mismatch metrics are taken after the update's
+    forward; the routing agreement is counted in it (schedule forwards only, not activation
+    recomputes). The reference forward does not read the old logprobs.
+    """
+    algo = cfg.algo
+    if algo.recompute_old_logprobs:
+        return "algo.recompute_old_logprobs=true"
+    if cfg.ppo_steps != 1:
+        return f"ppo_steps={cfg.ppo_steps}: the updates after the first train another policy"
+    if rows.old_logprobs is not None:
+        return "the batch brings its own old logprobs"
+    if algo.use_kl_in_reward:
+        return "algo.use_kl_in_reward=true: the advantages need old - ref before the update"
+    if algo.use_rs:
+        return "algo.use_rs=true: MIS sets the loss normaliser before the update"
+    dropout = max(getattr(tf, "hidden_dropout", 0.0), getattr(tf, "attention_dropout", 0.0))
+    if dropout > 0:
+        return f"dropout {dropout:g}: the old forward runs without it (eval mode)"
+    if getattr(tf, "moe_router_load_balancing_type", None) == "sinkhorn":
+        return "sinkhorn routing: train-mode routers route otherwise than eval-mode ones"
+    if getattr(tf, "moe_input_jitter_eps", None):
+        return "MoE input jitter: train-mode routers see other inputs than eval-mode ones"
+    return None
+
+
 class PolicyTrainer:
     def __init__(self, cfg: GRPOConfig, world_size: int = 1) -> None:
         self.cfg = cfg
@@ -240,9 +293,11 @@ class PolicyTrainer:
             pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
             pos = pos.expand_as(tokens)
             if not annotate:
-                return chunk(tokens, pos, None), partial(loss_fn, mb, num)
+                with self.routing.counting():  # not the activation recomputes in backward
+                    logits = chunk(tokens, pos, None)
+                return logits, partial(loss_fn, mb, num)
             vs = getattr(unwrap(chunk), "vp_stage", None) or 0
-            with self.annotator.forward(vs) as bwd_name:
+            with self.annotator.forward(vs) as bwd_name, self.routing.counting():
                 logits = self.annotator.wrap_output(chunk(tokens, pos, None), bwd_name)
             return logits, partial(loss_fn, mb, num)
 
@@ -315,7 +370,8 @@ class PolicyTrainer:
         over DP ranks themselves); sequences are then counted over the DP group, and rows
         without a trained token (padding) are not counted. ``step`` names the RL step in
         errors. Non-finite rewards, loss or gradients raise NonFiniteError before any
-        optimizer step is applied.
+        optimizer step is applied. The old logprobs come from a forward of their own, or
+        from the update's forward where :func:`old_logprobs_forward_reason` allows.
         """
         cfg = self.cfg
         start = time.perf_counter()
@@ -325,8 +381,10 @@ class PolicyTrainer:
         check_finite_values(rows.rewards, f"{where}: rewards", NONFINITE_HINT, device)
         if rows.advantages is not None:
             check_finite_values(rows.advantages, f"{where}: advantages", NONFINITE_HINT, device)
+        # None: the update's forward gives the old logprobs (decided alike on every rank)
+        reuse = old_logprobs_forward_reason(cfg, self.tf, rows) is None
         old = rows.old_logprobs
-        if old is None:
+        if old is None and not reuse:
             old = self.logprobs(rows, local=True)
         ref = self.logprobs(rows, reference=True, local=True)
         is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -342,17 +400,10 @@ class PolicyTrainer:
                 adv = rows.advantages.float().unsqueeze(1) * rows.response_mask
             else:
                 adv = rows.advantages.float() * rows.response_mask
-            mask = rows.response_mask
-            metrics["train/rollout_logprob_abs_diff"] = float(
-                ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
-            )
-            correction = rollout_correction(old, rows.rollout_logprobs, mask, cfg.algo)
-            metrics |= mismatch_metrics(
-                old, rows.rollout_logprobs, mask, cfg.algo, group=self._dp_group(), device=device,
-                dropped=correction.dropped,
-            )  # fmt: skip
-            # the normaliser counts only the tokens MIS keeps (as verl's response_mask)
-            kept = correction.mask
+            if reuse:  # no MIS: rollout_correction's mask is the response mask's tokens
+                kept = rows.response_mask.bool().to(rows.response_mask.dtype)
+            else:  # the normaliser counts only the tokens MIS keeps (as verl's response_mask)
+                kept = self._mismatch(old, rows, metrics)
         else:
             adv = torch.zeros_like(rows.response_mask)
             old = torch.zeros_like(rows.response_mask)
@@ -360,13 +411,10 @@ class PolicyTrainer:
         if self.routing_agreement is not None:  # of the old-logprob forward
             metrics["mismatch/routing_agreement"] = self.routing_agreement
             self.routing_agreement = None
-        fields = {
-            **self._fields(rows),
-            "mask": rows.response_mask,
-            "old": old,
-            "adv": adv,
-            "rollout": rows.rollout_logprobs,
-        }
+        fields = {**self._fields(rows), "mask": rows.response_mask, "adv": adv}
+        fields["rollout"] = rows.rollout_logprobs
+        if not reuse:
+            fields["old"] = old
         if ref is not None:
             fields["ref"] = ref
         plan = self._plan(fields, rows.response_mask)
@@ -384,21 +432,29 @@ class PolicyTrainer:
                 token_entropy(logits[:, :-1], self.sampled_vocab) if cfg.algo.entropy_coef else None
             )
             loss, m = policy_loss(
-                lp, mb["old"], mb["adv"], mb["mask"], cfg.algo,
+                lp, lp.detach() if reuse else mb["old"], mb["adv"], mb["mask"], cfg.algo,
                 rollout_logprobs=mb["rollout"], ref_logprobs=mb.get("ref"), entropy=ent,
                 total_tokens=total_tokens, total_seqs=total_seqs,
             )  # fmt: skip
             # the schedule divides by the number of microbatches: undo, as the loss is
             # already normalized by the global token / sequence count
             loss = loss * num * scale
-            return loss, {k: torch.tensor(float(v)) for k, v in m.items()}
+            got = {k: torch.tensor(float(v)) for k, v in m.items()}
+            if reuse:  # the old logprobs, as logprobs() would return this microbatch's
+                pad = (0, plan.width - 1 - lp.shape[1])
+                got[OLD_LOGPROBS_KEY] = torch.nn.functional.pad(lp.detach(), pad).cpu()
+            return loss, got
 
+        # with reuse, the update's forward counts the routing agreement (as logprobs() does)
+        measure = reuse and "routed" in fields
         for i in range(cfg.ppo_steps):
             with megatron_scope():
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                out = self._run(self.model, fields, plan, loss_fn, forward_only=False)
+                with self.routing.measure(self.model) if measure else contextlib.nullcontext():
+                    out = self._run(self.model, fields, plan, loss_fn, forward_only=False)
+                agreement = self.routing.agreement() if measure else None
                 check_loss_and_grads(
                     self.model, [o["loss"] for o in out],
                     f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,
@@ -407,6 +463,11 @@ class PolicyTrainer:
                 ok, grad_norm, _ = self.optimizer.step()
             if ok:
                 self.scheduler.step(increment=len(batch))
+        if reuse and out:  # the last stage: the old logprobs' measurements, as without reuse
+            old = plan.restore(torch.cat([o.pop(OLD_LOGPROBS_KEY) for o in out]))
+            self._mismatch(old, rows, metrics)
+        if agreement is not None:  # of the update's forward
+            metrics["mismatch/routing_agreement"] = agreement
         if out:
             for key in out[0]:
                 metrics[f"train/{key}"] = float(torch.stack([o[key] for o in out]).mean())
@@ -415,6 +476,22 @@ class PolicyTrainer:
         # measured inside the trainer, so the driver can tell compute from orchestration
         metrics["time/train_compute"] = time.perf_counter() - start
         return self._reduce_metrics(metrics)
+
+    def _mismatch(
+        self, old: torch.Tensor, rows: RLBatch, metrics: dict[str, float]
+    ) -> torch.Tensor:
+        """The rollout / trainer mismatch of this DP rank's ``rows`` into ``metrics``
+        (collective over the DP group); returns the loss mask less the tokens MIS drops."""
+        cfg, mask = self.cfg, rows.response_mask
+        metrics["train/rollout_logprob_abs_diff"] = float(
+            ((old - rows.rollout_logprobs).abs() * mask).sum() / mask.sum().clamp(min=1)
+        )
+        correction = rollout_correction(old, rows.rollout_logprobs, mask, cfg.algo)
+        metrics |= mismatch_metrics(
+            old, rows.rollout_logprobs, mask, cfg.algo, group=self._dp_group(),
+            device=self.accel.device(), dropped=correction.dropped,
+        )  # fmt: skip
+        return correction.mask
 
     def _dp_group(self) -> Any:
         """The data-parallel group, where there is more than one DP rank (else None)."""

@@ -58,6 +58,8 @@ class RoutingReplay:
         self._rows: dict[TopKRouter, torch.Tensor] = {}
         #: [agreeing, counted] routings since measure() began, on this rank
         self._counts: torch.Tensor | None = None
+        #: inside a schedule's forward of a microbatch (counting(): what measure() counts)
+        self._counting = False
 
     def set_targets(self, chunk: torch.nn.Module, routed: torch.Tensor) -> None:
         """Before ``chunk``'s forward of a microbatch whose routing is ``routed``."""
@@ -94,6 +96,17 @@ class RoutingReplay:
             for h in hooks:
                 h.remove()
 
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        """Around a schedule's forward of a microbatch: measure() counts the routings made
+        inside only, so an activation recompute in the backward (the routers again, on the
+        same tokens) does not count them twice."""
+        self._counting = True
+        try:
+            yield
+        finally:
+            self._counting = False
+
     def agreement(self) -> float | None:
         """The share of agreeing routings over every rank (a collective: call it on all);
         None when nothing was counted."""
@@ -106,7 +119,7 @@ class RoutingReplay:
     @torch.no_grad()
     def _count(self, router: TopKRouter, args: tuple, output: object) -> None:  # noqa: ARG002
         rows = self._rows.get(router)
-        if rows is None or self._counts is None:
+        if rows is None or self._counts is None or not self._counting:
             return
         c = router.config
         logits = router.gating(args[0]).view(-1, c.num_moe_experts)

@@ -1,0 +1,167 @@
+"""The trainer's and engines' threads: ``trainer_threads`` / ``engines.num_threads``, the
+``OMP_NUM_THREADS`` default, the auto split the placement plan makes (colocated, disaggregated,
+async), the wait policy given to the processes, and what --dry-run prints; end to end, the
+trainer actor and the engine report the counts the plan resolved (in a run with neither
+evaluation nor checkpoints, ``run.eval_interval=null run.save_interval=null``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_core.config import ConfigError, load_config
+from titan_core.training.metrics import read_metrics
+from titan_rl.actors.server import build_command
+from titan_rl.config import GRPOConfig
+from titan_rl.grpo import main, resolve_config
+from titan_rl.placement import WAIT_POLICY, plan_placement, resolve_threads
+
+REPO = Path(__file__).resolve().parents[2]
+MATH = REPO / "examples/math.yaml"
+OPENMP_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    """This process may use ``n`` cores, and the environment sets no OpenMP variable."""
+
+    def use(n: int) -> None:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+
+    for name in OPENMP_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return use
+
+
+def _plan(*overrides: str):
+    cfg = resolve_config(load_config(GRPOConfig, MATH, list(overrides)))
+    return plan_placement(cfg, "cpu", None, None)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer_threads=0", "trainer_threads"), ("engines.num_threads=0", "engines.num_threads"),
+     ("trainer_threads=two", "trainer_threads")],
+)  # fmt: skip
+def test_thread_keys_are_checked(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(GRPOConfig, MATH, [override])
+
+
+def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cores):
+    cores(8)
+    t = _plan().threads  # disaggregated, the default: 1 trainer process and 1 engine
+    assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (4, 4, "auto", "auto")
+    assert t.at_once and t.wait_policy == WAIT_POLICY == "PASSIVE"
+    # rollout.async runs them at once too; colocated, each phase has every core
+    assert _plan("rollout.async=true").threads.at_once
+    t = _plan("engines.colocate=true").threads
+    assert (t.trainer, t.engine, t.at_once) == (8, 8, False)
+    # 2 trainer processes and an engine of 2 TP ranks: 4 slots of 2 cores each
+    t = _plan("trainer_processes=2", "engines.tp_size=2", "train.micro_batch_size=64").threads
+    assert (t.trainer, t.engine) == (2, 4)
+    # 3 slots of 8 cores: 2 each, the 2 left over to the trainer processes
+    t = _plan("trainer_processes=2", "train.micro_batch_size=64").threads
+    assert (t.trainer, t.engine) == (3, 2)
+    cores(2)
+    t = _plan("trainer_processes=4", "train.micro_batch_size=64").threads
+    assert (t.trainer, t.engine) == (1, 1)  # more processes than cores: one thread each
+    assert (_plan("engines.colocate=true").threads.trainer, _plan().threads.trainer) == (2, 1)
+
+
+def test_omp_num_threads_is_the_default_of_both_and_the_keys_win(cores, monkeypatch):
+    cores(8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    t = _plan().threads
+    assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (3, 3, *["OMP_NUM_THREADS"] * 2)
+    t = _plan("trainer_threads=5", "engines.num_threads=2").threads
+    assert (t.trainer, t.engine, t.trainer_from) == (5, 2, "trainer_threads")
+    assert _plan("engines.num_threads=6").threads.trainer == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # nested levels: the first is this process's
+    assert _plan().threads.trainer == 4
+    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
+    with pytest.raises(ConfigError, match="OMP_NUM_THREADS='lots'"):
+        _plan()
+
+
+@pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "1000")])
+def test_the_users_openmp_wait_is_left_alone(cores, monkeypatch, name, value):
+    cores(2)
+    assert _plan().threads.env(1) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv(name, value)
+    t = _plan().threads
+    assert t.wait_policy is None and t.env(1) == {"OMP_NUM_THREADS": "1"}
+    assert "the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT" in t.describe()
+
+
+def test_the_engine_launch_carries_the_resolved_threads(cores):
+    cores(8)
+    launch = _plan("engines.colocate=true").engine
+    assert launch.num_threads == 8
+    assert launch.env == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = build_command(launch, 30000)
+    assert cmd[cmd.index("--num-threads") + 1] == "8"
+    # SGLang's processes keep their own environment (the key is the built-in engine's)
+    cfg = resolve_config(load_config(GRPOConfig, MATH, ["engines.backend=sglang"]))
+    assert plan_placement(cfg, "cuda", "GPU", 2).engine.env == {}
+
+
+def test_resolve_threads_is_the_adapters_rule_too():
+    """The slime / miles adapters call it with the framework's layout (no GRPO config)."""
+    t = resolve_threads(None, None, 2, 1, 2, at_once=True, cores=16, environ={})
+    assert (t.trainer, t.engine) == (4, 8)
+    t = resolve_threads(None, 3, 2, 1, 2, at_once=False, cores=16, environ={})
+    assert (t.trainer, t.engine, t.engine_from) == (8, 3, "engines.num_threads")
+
+
+def test_dry_run_prints_the_threads(cores, capsys):
+    cores(2)
+    assert main(["--config", str(MATH), "--dry-run", "trainer_threads=2"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "threads: 2 per trainer process (trainer_threads), 1 per engine (auto); auto: the 2 "
+        "core(s) this job may use, split between the trainer processes and the engines, which "
+        "compute at once; OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
+    ) in out.splitlines()
+    assert main(["--config", str(MATH), "--dry-run", "engines.colocate=true"]) == 0
+    assert "2 per engine (auto); auto: the 2 core(s) this job may use, for each phase" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_bad_omp_num_threads_exits_2(cores, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")
+    assert main(["--config", str(MATH), "--dry-run"]) == 2
+    assert "OMP_NUM_THREADS='0': give a positive number of threads" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, base):
+    """The trainer actor and the engine process report the threads the plan resolved
+    (``trainer_threads``, and ``OMP_NUM_THREADS`` as the engine's default), each with
+    idle threads sleeping; with ``run.eval_interval=null run.save_interval=null`` the run
+    writes no eval/accuracy and no checkpoint, not even at its last step."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("TITAN_CONFIG", *OPENMP_ENV)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_rl.grpo", "--config", str(MATH), f"policy.load={base}",
+         f"run.dir={run_dir}", "run.num_steps=2", "run.eval_interval=null",
+         "run.save_interval=null", "rollout.prompts_per_step=16", "train.micro_batch_size=64",
+         "ppo_steps=1", "sync.check_every=0", "trainer_threads=2"],
+        capture_output=True, text=True, cwd=REPO, timeout=900,
+        env=env | {"OMP_NUM_THREADS": "3"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    said = proc.stdout + proc.stderr
+    assert "trainer rank 0: 2 torch threads (OMP_WAIT_POLICY=PASSIVE)" in said, said[-3000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    assert "titan_rl.engine: 3 torch threads per TP rank (OMP_WAIT_POLICY=PASSIVE)" in logs
+    recs = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2]
+    assert not any("eval/accuracy" in r for r in recs)
+    assert not (run_dir / "checkpoints").exists()
+    assert (run_dir / "reward.png").is_file()
