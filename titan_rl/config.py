@@ -132,8 +132,8 @@ class EnginesConfig(Section):
     router: bool = False
     #: built-in engine: torch (OpenMP) threads per engine, shared by its TP ranks. None:
     #: ``OMP_NUM_THREADS`` where set, else auto: the cores this job may use
-    #: (``os.sched_getaffinity``), all of them per colocated engine (generation and
-    #: training alternate), else split with the trainer processes (``trainer_threads``).
+    #: (``os.sched_getaffinity``), all of them when colocated (generation and training take
+    #: turns), else split with the trainer processes (``trainer_threads``); see --dry-run.
     num_threads: PositiveInt | None = None
     #: the engines' weights and compute (``--dtype``); "auto": the checkpoint's (fp32, as the
     #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
@@ -250,9 +250,9 @@ class GRPOConfig(Section):
     trainer_processes: PositiveInt = 1
     #: torch (OpenMP) threads of each trainer process. None: ``OMP_NUM_THREADS`` where set,
     #: else auto: the cores this job may use (``os.sched_getaffinity``) shared by the
-    #: trainer processes, and, where the engines run at the same time (disaggregated,
-    #: ``rollout.async``), by the engines too (``engines.num_threads``); ``--dry-run``
-    #: prints both.
+    #: trainer processes, and, unless the engines are colocated (taking turns with the
+    #: trainer), by the engines' TP ranks too (``engines.num_threads``), at least 1 each;
+    #: ``--dry-run`` prints both.
     trainer_threads: PositiveInt | None = None
     #: sampling the responses.
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -132,7 +132,7 @@ class Threads:
         )
         if "auto" in (self.trainer_from, self.engine_from):
             line += f"; auto: the {self.cores} core(s) this job may use, " + (
-                "split between the trainer processes and the engines, which compute at once"
+                "split between the trainer processes and the engines (side by side)"
                 if self.at_once
                 else "for each phase (generation and training alternate)"
             )
@@ -190,8 +190,10 @@ def resolve_threads(
 
 
 def job_threads(cfg: GRPOConfig) -> Threads:
-    """The GRPO job's threads: the engines compute while the trainer does unless they are
-    colocated (``rollout.async`` cannot be colocated)."""
+    """The GRPO job's threads. Disaggregated engines sit beside the trainer (their own
+    bundles) and with ``rollout.async`` generate while it trains: the cores are split, so
+    neither's threads wait on the other's. Colocated engines (never async) take turns with
+    the trainer: each phase gets every core."""
     e = cfg.engines
     return resolve_threads(
         cfg.trainer_threads, e.num_threads, cfg.trainer_processes, e.num_engines, e.tp_size,

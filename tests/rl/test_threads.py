@@ -124,8 +124,8 @@ def test_dry_run_prints_the_threads(cores, capsys):
     out = capsys.readouterr().out
     assert (
         "threads: 2 per trainer process (trainer_threads), 1 per engine (auto); auto: the 2 "
-        "core(s) this job may use, split between the trainer processes and the engines, which "
-        "compute at once; OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
+        "core(s) this job may use, split between the trainer processes and the engines (side "
+        "by side); OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
     ) in out.splitlines()
     assert main(["--config", str(MATH), "--dry-run", "engines.colocate=true"]) == 0
     assert "2 per engine (auto); auto: the 2 core(s) this job may use, for each phase" in (
