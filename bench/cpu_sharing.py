@@ -1,5 +1,5 @@
 """A CPU GRPO run sharing its cores with a busy process: step time with and without one
-beside it, for the default threads against threads = cores with OpenMP's default wait.
+beside it, for the defaults against how the trainer ran before them (threads = cores).
 
     python bench/cpu_sharing.py [--steps 6] [--base runs/math_base/checkpoints]
                                 [--configs auto,cores] [--repeats 1]
@@ -12,14 +12,19 @@ sharing the cores costs; a job that loses one of its cores to the other process 
 lose no more than that core's share of its work (2 cores: at most 2x). Configs:
 
 * ``auto``: the defaults (``trainer_threads`` and ``engines.num_threads`` unset: the
-  placement plan's split of the cores, idle OpenMP threads sleeping);
-* ``cores``: every process with threads = this machine's cores and libgomp's default wait
-  (``GOMP_SPINCOUNT=300000``, its default spin: how the trainer ran before the defaults);
-* ``cores_passive``: threads = cores, idle threads sleeping (separates the two changes).
+  placement plan's split of the cores; idle OpenMP threads sleeping; Ray's workers at
+  niceness 0);
+* ``cores``: how the trainer ran before those defaults: threads = the cores, libgomp's
+  default wait (``GOMP_SPINCOUNT=300000``, its default spin) and Ray's default worker
+  niceness (``RAY_worker_niceness=15``);
+* ``cores_passive``: threads = the cores, idle threads sleeping, niceness 0 (the threads'
+  share of the difference).
 
-The run's environment loses ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``
-and ``TITAN_CONFIG`` (each config sets what it measures). Without ``--base`` the example's
-base is used (pretrained first if it is missing, as the main job does).
+The run's environment loses ``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``,
+``RAY_worker_niceness`` and ``TITAN_CONFIG`` (each config sets what it measures). Without
+``--base`` the example's base is used (pretrained first if it is missing, as the main job
+does). The machine should be otherwise idle: other work at the default niceness is
+competition too.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from titan_core.training.metrics import read_metrics  # noqa: E402
 from titan_rl.placement import available_cores  # noqa: E402
 
 KEYS = ("time/step", "time/train_compute", "time/rollout")
-DROPPED_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TITAN_CONFIG")
+DROPPED_ENV = (
+    "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RAY_worker_niceness", "TITAN_CONFIG",
+)  # fmt: skip
 
 
 def configs(cores: int) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -50,7 +57,7 @@ def configs(cores: int) -> dict[str, tuple[list[str], dict[str, str]]]:
     every = [f"trainer_threads={cores}", f"engines.num_threads={cores}"]
     return {
         "auto": ([], {}),
-        "cores": (every, {"GOMP_SPINCOUNT": "300000"}),
+        "cores": (every, {"GOMP_SPINCOUNT": "300000", "RAY_worker_niceness": "15"}),
         "cores_passive": (every, {}),
     }
 

@@ -441,7 +441,7 @@ def placement_plan(cfg: GRPOConfig) -> list[str]:
     lines = [
         f"accelerator: {accel.name} (process groups: {accel.communication_backend()}, "
         f"weight sync: {cfg.sync.transport} over {accel.weight_update_backend()})",
-        "ray: " + (f"existing cluster at {cfg.ray.address}" if cfg.ray.address else "local"),
+        "ray: " + _ray_line(cfg.ray),
         *plan.describe(),
         f"policy: {cfg.policy.format} weights from {cfg.policy.load}",
         f"batch: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} "
@@ -451,9 +451,39 @@ def placement_plan(cfg: GRPOConfig) -> list[str]:
     return lines
 
 
+#: the niceness of a local Ray's worker processes, the trainer ranks and the engines (and
+#: the servers they start). Ray's default, 15, keeps its raylet and GCS ahead of its
+#: workers, but it also puts every process at the default niceness ahead of them: one
+#: ``python -c "while True: pass"`` on a shared core takes ~30x their share of it (weights
+#: 1024 and 36), and a 2-thread trainer rank's every parallel region waits for its thread
+#: there. ``RAY_worker_niceness``, where set, stands.
+WORKER_NICENESS = 0
+#: Ray's variable of its workers' niceness (Ray's spelling: its system settings' names)
+NICENESS_ENV = "RAY_worker_niceness"
+
+
+def worker_niceness() -> int | None:
+    """The niceness a local Ray gives its workers here (None: the user's
+    ``RAY_worker_niceness``)."""
+    return None if os.environ.get(NICENESS_ENV) else WORKER_NICENESS
+
+
+def _ray_line(ray_cfg: RayConfig) -> str:
+    if ray_cfg.address:
+        return (
+            f"existing cluster at {ray_cfg.address} (its workers' niceness is the cluster's: "
+            "Ray's default 15 unless it started with RAY_worker_niceness)"
+        )
+    niceness = worker_niceness()
+    if niceness is None:
+        return f"local, workers at niceness {os.environ[NICENESS_ENV]} ({NICENESS_ENV})"
+    return f"local, workers at niceness {niceness} (Ray's default: 15)"
+
+
 def ray_init_kwargs(ray_cfg: RayConfig, plan: PlacementPlan) -> dict[str, Any]:
-    """``ray.init`` arguments: a local Ray sized for the plan, or only the cluster's address
-    (Ray refuses resource arguments when it joins an existing cluster)."""
+    """``ray.init`` arguments: a local Ray sized for the plan with its workers at
+    :data:`WORKER_NICENESS`, or only the cluster's address (Ray refuses resource arguments
+    and system settings when it joins an existing cluster)."""
     common: dict[str, Any] = {"log_to_driver": True, "configure_logging": False}
     if ray_cfg.namespace is not None:
         common["namespace"] = ray_cfg.namespace
@@ -467,6 +497,9 @@ def ray_init_kwargs(ray_cfg: RayConfig, plan: PlacementPlan) -> dict[str, Any]:
     }
     if plan.available:  # Ray does not detect every kind (MUSA)
         kwargs.update(_device_request(plan.resource, plan.available))
+    niceness = worker_niceness()
+    if niceness is not None:
+        kwargs["_system_config"] = {"worker_niceness": niceness}
     return kwargs
 
 

@@ -133,6 +133,22 @@ def test_dry_run_prints_the_threads(cores, capsys):
     )
 
 
+def test_a_local_ray_runs_its_workers_at_niceness_0(monkeypatch):
+    from titan_rl.config import RayConfig
+    from titan_rl.placement import NICENESS_ENV, placement_plan, ray_init_kwargs
+
+    cfg = load_config(GRPOConfig, MATH, [])
+    plan = _plan()
+    monkeypatch.delenv(NICENESS_ENV, raising=False)
+    assert ray_init_kwargs(RayConfig(), plan)["_system_config"] == {"worker_niceness": 0}
+    assert "ray: local, workers at niceness 0 (Ray's default: 15)" in placement_plan(cfg)
+    monkeypatch.setenv(NICENESS_ENV, "10")  # the user's stands
+    assert "_system_config" not in ray_init_kwargs(RayConfig(), plan)
+    assert "ray: local, workers at niceness 10 (RAY_worker_niceness)" in placement_plan(cfg)
+    # joining a cluster: its own settings (Ray refuses system settings there)
+    assert "_system_config" not in ray_init_kwargs(RayConfig(address="auto"), plan)
+
+
 def test_a_bad_omp_num_threads_exits_2(cores, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "0")
     assert main(["--config", str(MATH), "--dry-run"]) == 2
@@ -143,10 +159,11 @@ def test_a_bad_omp_num_threads_exits_2(cores, monkeypatch, capsys):
 def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, base):
     """The trainer actor and the engine process report the threads the plan resolved
     (``trainer_threads``, and ``OMP_NUM_THREADS`` as the engine's default), each with
-    idle threads sleeping; with ``run.eval_interval=null run.save_interval=null`` the run
+    idle threads sleeping, at niceness 0 (not Ray's 15); with ``run.eval_interval=null run.save_interval=null`` the run
     writes no eval/accuracy and no checkpoint, not even at its last step."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("TITAN_CONFIG", *OPENMP_ENV)}
+    dropped = ("TITAN_CONFIG", "RAY_worker_niceness", *OPENMP_ENV)
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     proc = subprocess.run(
         [sys.executable, "-m", "titan_rl.grpo", "--config", str(MATH), f"policy.load={base}",
          f"run.dir={run_dir}", "run.num_steps=2", "run.eval_interval=null",
@@ -157,9 +174,11 @@ def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, b
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     said = proc.stdout + proc.stderr
-    assert "trainer rank 0: 2 torch threads (OMP_WAIT_POLICY=PASSIVE)" in said, said[-3000:]
+    line = "trainer rank 0: 2 torch threads (OMP_WAIT_POLICY=PASSIVE, niceness 0)"
+    assert line in said, said[-3000:]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    assert "titan_rl.engine: 3 torch threads per TP rank (OMP_WAIT_POLICY=PASSIVE)" in logs
+    line = "titan_rl.engine: 3 torch threads per TP rank (OMP_WAIT_POLICY=PASSIVE, niceness 0)"
+    assert line in logs, logs[-3000:]
     recs = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]
     assert not any("eval/accuracy" in r for r in recs)

@@ -49,7 +49,8 @@ class TrainerWorker:
             torch.set_num_threads(int(threads))
         print(
             f"trainer rank {self.rank}: {torch.get_num_threads()} torch threads "
-            f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})",
+            f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
+            f"niceness {os.nice(0)})",
             flush=True,
         )
         from titan_core.training.profiling import StepProfiler
