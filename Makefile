@@ -37,9 +37,12 @@ demo: $(STAMP)
 pretrain: $(STAMP)
 	$(BIN)/python -m titan_core.pretrain --config examples/pretrain_tiny.yaml
 
-test: $(STAMP)
+# The suite, after the lint and format checks (what CI runs: .ci/run). Quick local run:
+# make test PYTEST_ARGS='-m "not slow"'
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# ruff at the version pinned in pyproject.toml (the same as .pre-commit-config.yaml's)
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 

@@ -3,7 +3,7 @@ every dotted key with its type and default, pinned in tests/config_surface.txt (
 freezes its CLI), so a key that appears, disappears or changes its default is a reviewed
 change. Every key is documented: a ``#:`` comment above its field, or, in the sections named
 after another framework's arguments (Megatron's, slime's), that framework's flag of the same
-name. Keys the README names must exist.
+name. Keys the README, docs/ and bench/README.md name must exist.
 
 After changing a config on purpose: ``.venv/bin/python -m tests.test_config_surface``
 rewrites the file.
@@ -27,6 +27,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from tests.test_docs import DOCS  # the README, docs/, bench/README.md, the packages' READMEs
 from titan_core.config import load_config
 from titan_core.config.pretrain import ModelConfig, ParallelConfig, PretrainConfig, TrainConfig
 from titan_rl.algo.config import AlgoConfig
@@ -138,7 +139,7 @@ def test_config_surface_is_pinned():
         + "".join(f"  + {line}\n" for line in added)
         + "".join(f"  - {line}\n" for line in removed)
         + "If that is intended, document each new key (a `#:` comment above its field saying "
-        "what it does; README where it changes user-facing behaviour), remove the README's "
+        "what it does; README or docs/ where it changes user-facing behaviour), remove the docs' "
         f"mentions of a removed one, then run `{REGENERATE}` and commit {SURFACE.name}."
     )
 
@@ -151,21 +152,23 @@ def test_every_key_is_documented():
     )
 
 
-def _readme_keys() -> set[str]:
+def _readme_keys() -> dict[str, str]:
+    """Backticked words of the docs that look like config keys, each with the first doc naming it."""
     sections = {k.split(".")[0] for line in surface() for k in [line.split()[1]]}
-    found = set()
-    for doc in (REPO / "README.md", REPO / "adapters" / "README.md"):
+    found: dict[str, str] = {}
+    for doc in DOCS:
         for key in re.findall(r"`([a-z_]+(?:\.[a-z_][a-z0-9_]*)+)", doc.read_text()):
             if key.split(".")[0] in sections and key.rsplit(".", 1)[-1] not in _FILE_SUFFIXES:
-                found.add(key)
+                found.setdefault(key, str(doc.relative_to(REPO)))
     return found
 
 
 def test_keys_the_readme_names_exist():
     known = {line.split()[1].rstrip(":") for line in surface()}
     prefixes = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
-    stale = sorted(k for k in _readme_keys() if k not in known and k not in prefixes)
-    assert not stale, f"the README names config keys that do not exist: {stale}"
+    named = _readme_keys()
+    stale = sorted(f"{k} ({doc})" for k, doc in named.items() if k not in known | prefixes)
+    assert not stale, f"the README or docs name config keys that do not exist: {stale}"
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.name)
