@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan_rl.actors.config import EngineServerConfig  # noqa: E402
 from titan_rl.actors.server import ServerProcess  # noqa: E402
-from titan_rl.engine.core import DEFAULT_CHUNKED_PREFILL_SIZE  # noqa: E402
+from titan_rl.engine_settings import DEFAULT_CHUNKED_PREFILL_SIZE  # noqa: E402
 
 
 def build_model(path: Path, vocab: int, hidden: int, layers: int, context: int) -> int:

@@ -66,7 +66,7 @@ def overrides(model_dir: Path, layout: str, run_dir: Path) -> list[str]:
         *(f"model.{k}={v}" for k, v in keys if not isinstance(v, list | dict)),
         f"rollout.prompts_per_step={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
         "train.micro_batch_size=4", "train.lr=1e-3", "train.min_lr=1e-3",
-        "train.lr_warmup_iters=0", "train.lr_decay_style=constant", "ppo_steps=1",
+        "train.lr_warmup_iters=0", "train.lr_decay_style=constant", "train.ppo_steps=1",
         f"run.dir={run_dir}", *LAYOUTS[layout],
     ]  # fmt: skip
 

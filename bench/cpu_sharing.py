@@ -11,7 +11,7 @@ reads metrics.jsonl: the medians of ``time/step``, ``time/train_compute`` and
 sharing the cores costs; a job that loses one of its cores to the other process should
 lose no more than that core's share of its work (2 cores: at most 2x). Configs:
 
-* ``auto``: the defaults (``trainer_threads`` and ``engines.num_threads`` unset: the
+* ``auto``: the defaults (``trainer.num_threads`` and ``engines.num_threads`` unset: the
   placement plan's split of the cores; idle OpenMP threads sleeping; Ray's workers at
   niceness 0);
 * ``cores``: how the trainer ran before those defaults: threads = the cores, libgomp's
@@ -54,7 +54,7 @@ DROPPED_ENV = (
 
 def configs(cores: int) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each config: its overrides and its environment on top of the run's."""
-    every = [f"trainer_threads={cores}", f"engines.num_threads={cores}"]
+    every = [f"trainer.num_threads={cores}", f"engines.num_threads={cores}"]
     return {
         "auto": ([], {}),
         "cores": (every, {"GOMP_SPINCOUNT": "300000", "RAY_worker_niceness": "15"}),

@@ -1,5 +1,5 @@
 """Time of one policy update (``time/train_compute``) with the old logprobs taken from the
-update's own forward (ppo_steps=1, the default: no separate no-grad forward) against the
+update's own forward (train.ppo_steps=1, the default: no separate no-grad forward) against the
 anchor, a separate forward for them (``algo.recompute_old_logprobs=true``), measured in
 the same process on the default example's policy and batch shape.
 
@@ -47,7 +47,7 @@ def main() -> None:
     from titan_rl.trainer.policy import PolicyTrainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = ["ppo_steps=1", f"run.dir={tmp}", *args.overrides]
+        overrides = ["train.ppo_steps=1", f"run.dir={tmp}", *args.overrides]
         cfg = load_config(GRPOConfig, Path(args.config), overrides)
         ensure_base_policy(cfg.policy)
         trainer = PolicyTrainer(cfg)

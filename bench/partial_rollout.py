@@ -148,8 +148,7 @@ def run(tmp: Path, name: str, policy: Path, args: argparse.Namespace, extra: lis
         "run.save_interval=0", "sync.check_every=0", "data.num_eval=4",
         f"rollout.prompts_per_step={args.prompts}", f"rollout.n_samples_per_prompt={args.n}",
         f"rollout.max_response_len={args.max_len}", f"rollout.async={args.mode == 'async'}",
-        f"train.micro_batch_size={args.micro_batch or args.n}",
-        f"train.global_batch_size={args.prompts * args.n}", "ppo_steps=1", *extra,
+        f"train.micro_batch_size={args.micro_batch or args.n}", "train.ppo_steps=1", *extra,
     ]  # fmt: skip
     start = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)

@@ -166,15 +166,14 @@ def titan_config(task: Task, max_len: int, mode: str, steps: int, run_dir: Path)
         "model": model.model_dump(exclude_unset=True, mode="json"),
         "train": {
             "micro_batch_size": batch,
-            "global_batch_size": batch,
             "lr": LR,
             "min_lr": LR,
             "lr_warmup_iters": 0,
             "lr_decay_style": "constant",
             "weight_decay": 0.0,
             "clip_grad": 1.0,
+            "ppo_steps": 1,
         },
-        "ppo_steps": 1,
         "rollout": {
             "prompts_per_step": PROMPTS,
             "n_samples_per_prompt": SAMPLES,
@@ -314,8 +313,8 @@ def run_titan(task: Task, max_len: int, mode: str, steps: int, work: Path, extra
         times,
         tokens,
         samples,
-        # one optimizer step per step: the config's ppo_steps=1 and global batch = the
-        # rollout's (each record carries its step's train/grad_norm)
+        # one optimizer step per step: the config's train.ppo_steps=1, each on the rollout's
+        # whole batch (each record carries its step's train/grad_norm)
         sum("train/grad_norm" in r for r in recs),
         (first_end - times[0]) if first_end is not None else float("nan"),
         {"phases": phases, "startup": startup, "lines": lines},

@@ -29,7 +29,13 @@ from pydantic.fields import FieldInfo
 
 from tests.test_docs import DOCS  # the README, docs/, bench/README.md, the packages' READMEs
 from titan_core.config import load_config
-from titan_core.config.pretrain import ModelConfig, ParallelConfig, PretrainConfig, TrainConfig
+from titan_core.config.pretrain import (
+    ModelConfig,
+    ParallelConfig,
+    PretrainConfig,
+    TrainConfig,
+    TrainFields,
+)
 from titan_rl.algo.config import AlgoConfig
 from titan_rl.config import GRPOConfig
 
@@ -41,6 +47,7 @@ ROOTS: dict[str, type[BaseModel]] = {"pretrain": PretrainConfig, "grpo": GRPOCon
 NAMED_AFTER: dict[type[BaseModel], str] = {
     ModelConfig: "Megatron",
     ParallelConfig: "Megatron",
+    TrainFields: "Megatron",
     TrainConfig: "Megatron",
     AlgoConfig: "slime",
 }

@@ -25,10 +25,11 @@ class EngineMemory:
     """Colocated engines' memory (SGLang's release / resume_memory_occupation, by tags),
     called on every engine directly (a router does not forward these)."""
 
-    def __init__(self, urls: list[str], api_key: str | None) -> None:
+    def __init__(self, urls: list[str], api_key: str | None, client: str) -> None:
         from titan_rl.rollout import ClientOptions, make_engine_client
 
-        self.clients = [make_engine_client(u, ClientOptions(api_key=api_key)) for u in urls]
+        options = ClientOptions(api_key=api_key)
+        self.clients = [make_engine_client(u, options, client=client) for u in urls]
 
     async def release(self) -> None:
         """Weights, KV cache and CUDA graphs: all of it, for the trainer."""
@@ -108,8 +109,10 @@ def colocation_for(
     resume_kv_cache: bool,
     run: RunAsync,
     engines_up: WaitEnginesUp,
+    client: str,
 ) -> Colocation:
-    """The strategy for ``engines.colocate``, over the engines at ``urls``."""
+    """The strategy for ``engines.colocate``, over the engines at ``urls`` (``client``:
+    ``engines.client``)."""
     if not colocate:
         return SeparateDevices(run, engines_up)
-    return SharedDevices(run, engines_up, EngineMemory(urls, api_key), resume_kv_cache)
+    return SharedDevices(run, engines_up, EngineMemory(urls, api_key, client), resume_kv_cache)

@@ -1,26 +1,41 @@
 """The GRPO config: policy (Megatron sections shared with pretraining), rollout, algorithm,
-reward, sync, data and run. Unknown keys and bad values are errors naming the key."""
+reward, sync, data and run. Unknown keys and bad values are errors naming the key; a key
+that moved (pretraining's ``train.seed`` under GRPO, the old top-level ``ppo_steps``) is an
+error naming the key to use.
+
+What GRPO shares with pretraining is declared once, in titan_core: ``model``, ``parallel``
+and the ``train`` keys of :class:`~titan_core.config.pretrain.TrainFields` (micro batch,
+optimizer, LR schedule, precision, FP8, offload, recompute). What each owns is declared by
+it: GRPO's batch is the rollout's (``rollout.*``), its length, seed, logging and evaluation
+are ``run.*``, its policy-update passes ``train.ppo_steps``, its trainer processes
+``trainer.*``. :meth:`GRPOConfig.pretrain_view` derives pretraining's full ``train`` section
+from them for the Megatron trainer."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from titan_core.config import ConfigError, Section
 from titan_core.config.pretrain import (
     ArithmeticFields,
+    LrDecayStyle,
     ModelConfig,
     ParallelConfig,
     PretrainConfig,
     ProfileConfig,
     TokenizerFields,
     TrainConfig,
+    TrainFields,
     check_layout,
 )
 from titan_rl.algo.config import AlgoConfig
 from titan_rl.algo.estimators import group_size_problem
+from titan_rl.engine_settings import DEFAULTS as ENGINE_DEFAULTS
+from titan_rl.engine_settings import Dtype, check_chunked_prefill_size
 from titan_rl.rewards.config import RewardConfig
+from titan_rl.rollout.engine_clients import DEFAULT_CLIENT, client_problem
 from titan_rl.sync.config import SyncConfig
 from titan_rl.user_code import split_spec
 
@@ -120,6 +135,12 @@ class EnginesConfig(Section):
 
     #: "auto": the built-in engine on a cpu accelerator, SGLang on cuda / musa.
     backend: Literal["auto", "sglang", "builtin"] = "auto"
+    #: the client the driver and the trainers talk to the engines with (generation, weight
+    #: sync, memory, versions): "sglang" (SGLang's HTTP API, which the built-in engine and
+    #: the router speak too), a name registered in titan_rl/rollout/engine_clients.py
+    #: (``register_engine_client``, or an installed package's entry point), or
+    #: "module.path:function" of a factory ``(url, ClientOptions) -> EngineClient``.
+    client: str = DEFAULT_CLIENT
     #: engine servers (several need ``router: true``).
     num_engines: PositiveInt = 1
     #: devices per engine (SGLang's --tp-size; the built-in engine: 1).
@@ -138,12 +159,12 @@ class EnginesConfig(Section):
     #: the engines' weights and compute (``--dtype``); "auto": the checkpoint's (fp32, as the
     #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
     #: trainer's, as GPU engines do.
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = ENGINE_DEFAULTS.dtype
     #: prompt tokens an engine prefills per scheduling step, between its running requests'
     #: decode steps (``--chunked-prefill-size``, both backends): a longer prompt goes in
     #: chunks, so other requests wait for a chunk, not for all of it. -1: whole prompts;
     #: None: the engine's default (the built-in engine's 2048, SGLang's own).
-    chunked_prefill_size: int | None = None
+    chunked_prefill_size: int | None = ENGINE_DEFAULTS.chunked_prefill_size
     #: the engines (and router) require ``Authorization: Bearer <api_key>``; None: open.
     api_key: str | None = None
     #: how long requests to engines that do not answer (connection refused or reset, 5xx)
@@ -156,11 +177,14 @@ class EnginesConfig(Section):
     #: one, and it gets the current weights before it serves; silences are logged from 5 s on.
     health_timeout_s: float = Field(60.0, gt=0)
 
-    @field_validator("chunked_prefill_size")
+    _check_chunk = field_validator("chunked_prefill_size")(check_chunked_prefill_size)
+
+    @field_validator("client")
     @classmethod
-    def _check_chunked_prefill_size(cls, v: int | None) -> int | None:
-        if v is not None and v != -1 and v < 1:
-            raise ValueError(f"{v}: give a positive number of tokens, or -1 (whole prompts)")
+    def _check_client(cls, v: str) -> str:
+        problem = client_problem(v)  # its form; importing a path is preflight's
+        if problem:
+            raise ValueError(problem)
         return v
 
 
@@ -191,6 +215,83 @@ class RLDataConfig(TokenizerFields, ArithmeticFields):
         return self
 
 
+#: pretraining's ``train`` keys that GRPO owns elsewhere (or has no use for): what to use instead
+MOVED_TRAIN_KEYS: dict[str, str] = {
+    "seed": "use run.seed (one seed: the prompts' order and the trainer's random state)",
+    "log_interval": "use run.log_interval",
+    "eval_interval": "use run.eval_interval (held-out accuracy every N RL steps)",
+    "eval_iters": "use data.num_eval (the held-out prompts of each evaluation)",
+    "train_iters": (
+        "use run.num_steps (the LR schedule's horizon is run.num_steps x train.ppo_steps "
+        "optimizer steps; train.lr_decay_iters sets another)"
+    ),
+    "global_batch_size": (
+        "an optimizer step takes the whole rollout batch: set rollout.prompts_per_step x "
+        "rollout.n_samples_per_prompt"
+    ),
+    "stop_at_eval_accuracy": "GRPO runs run.num_steps steps: drop it",
+}
+#: top-level keys that moved into a section: the key to use
+MOVED_TOP_KEYS: dict[str, str] = {
+    "ppo_steps": "use train.ppo_steps",
+    "trainer_processes": "use trainer.num_processes",
+    "trainer_threads": "use trainer.num_threads",
+}
+
+
+def _refuse_moved(data: Any, moved: dict[str, str], prefix: str) -> Any:
+    """A config naming a key of ``moved``: an error naming it and what to use instead."""
+    if isinstance(data, dict):
+        found = [k for k in moved if k in data]
+        if found:
+            raise ValueError(
+                "; ".join(f"{prefix}{k} is not a titan_rl.grpo key: {moved[k]}" for k in found)
+            )
+    return data
+
+
+class RLTrainConfig(TrainFields):
+    """GRPO's ``train`` section: the policy update. The keys shared with pretraining
+    (:class:`~titan_core.config.pretrain.TrainFields`, Megatron's names: ``lr_warmup_iters``
+    and ``lr_decay_iters`` count optimizer steps) plus RL's own; the batch is the rollout's,
+    the length ``run.num_steps``, the seed ``run.seed``."""
+
+    #: policy-update passes over each rollout batch, one optimizer step each (PPO epochs:
+    #: verl's ``ppo_epochs``); the LR schedule's horizon is run.num_steps x this.
+    ppo_steps: PositiveInt = 1
+    # RL's defaults where pretraining's differ (a section that sets some keys gets these
+    # for the rest, as one that sets none does): a small constant LR, no warmup, no decay.
+    #: samples per forward/backward of the update (the rollout batch is split into these).
+    micro_batch_size: PositiveInt = 64
+    #: the policy's learning rate.
+    lr: float = Field(1e-4, gt=0)
+    #: optimizer steps of linear warmup.
+    lr_warmup_iters: int = Field(0, ge=0)
+    #: the LR schedule over run.num_steps x ppo_steps optimizer steps.
+    lr_decay_style: LrDecayStyle = "constant"
+    #: AdamW's decoupled weight decay.
+    weight_decay: float = Field(0.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_pretraining_keys(cls, data: Any) -> Any:
+        return _refuse_moved(data, MOVED_TRAIN_KEYS, "train.")
+
+
+class TrainerConfig(Section):
+    """The Megatron trainer's processes (the engines' counterpart, ``engines.*``); placed by
+    titan_rl/placement.py."""
+
+    #: Megatron trainer processes (TP x PP x CP x DP); each is a Ray actor.
+    num_processes: PositiveInt = 1
+    #: torch (OpenMP) threads of each trainer process. None: ``OMP_NUM_THREADS`` where set,
+    #: else auto: the cores this job may use (``os.sched_getaffinity``) shared by the
+    #: trainer processes, and, unless the engines are colocated (taking turns with the
+    #: trainer), by the engines' TP ranks too (``engines.num_threads``), at least 1 each;
+    #: ``--dry-run`` prints both.
+    num_threads: PositiveInt | None = None
+
+
 class RLRunConfig(Section):
     #: the run's folder: checkpoints, metrics.jsonl, reward.png, logs (one job at a time).
     dir: str = "runs/grpo"
@@ -205,7 +306,8 @@ class RLRunConfig(Section):
     #: on SIGTERM / SIGINT, save the last completed step before exiting 143 / 130 (as
     #: Megatron-LM's --exit-signal-handler does); false: exit without saving.
     save_on_signal: bool = True
-    #: the prompts' order (and the arithmetic problems').
+    #: the prompts' order (and the arithmetic problems'), the engines' sampling seeds and the
+    #: trainer's random state (Megatron's ``--seed``).
     seed: int = 1
     #: print a status line every N steps.
     log_interval: PositiveInt = 1
@@ -237,23 +339,11 @@ class GRPOConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     #: the trainer's layout (pretraining's ``parallel`` section).
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    #: the optimizer (pretraining's ``train`` section; the batch is the rollout's).
-    train: TrainConfig = Field(
-        default_factory=lambda: TrainConfig(
-            lr=1e-4, min_lr=1e-4, lr_warmup_iters=0, lr_decay_style="constant", weight_decay=0.0,
-            micro_batch_size=64, global_batch_size=256, train_iters=10**9,
-        )
-    )  # fmt: skip
-    #: policy-update passes over each rollout batch (PPO epochs).
-    ppo_steps: PositiveInt = 1
-    #: Megatron trainer processes (TP x PP x CP x DP); each is a Ray actor.
-    trainer_processes: PositiveInt = 1
-    #: torch (OpenMP) threads of each trainer process. None: ``OMP_NUM_THREADS`` where set,
-    #: else auto: the cores this job may use (``os.sched_getaffinity``) shared by the
-    #: trainer processes, and, unless the engines are colocated (taking turns with the
-    #: trainer), by the engines' TP ranks too (``engines.num_threads``), at least 1 each;
-    #: ``--dry-run`` prints both.
-    trainer_threads: PositiveInt | None = None
+    #: the policy update: optimizer, LR schedule, precision (pretraining's shared ``train``
+    #: keys) and ``ppo_steps``; the batch is the rollout's.
+    train: RLTrainConfig = Field(default_factory=RLTrainConfig)
+    #: the Megatron trainer's processes and threads.
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     #: sampling the responses.
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     #: the rollout engines.
@@ -274,8 +364,26 @@ class GRPOConfig(Section):
     #: ProfilerStep#N with titan/rl/{rollout,train,sync} and microbatch ranges inside.
     profile: ProfileConfig = Field(default_factory=ProfileConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_keys(cls, data: Any) -> Any:
+        return _refuse_moved(data, MOVED_TOP_KEYS, "")
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run (``run.num_steps`` x ``train.ppo_steps``): the LR
+        schedule's horizon, pretraining's ``train.train_iters``."""
+        return self.run.num_steps * self.train.ppo_steps
+
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        decay = self.train.lr_decay_iters or self.optimizer_steps
+        if self.train.lr_warmup_iters >= decay:
+            raise ValueError(
+                f"train.lr_warmup_iters ({self.train.lr_warmup_iters}) must be below the decay "
+                f"length in optimizer steps (train.lr_decay_iters, else run.num_steps x "
+                f"train.ppo_steps = {decay}); lower train.lr_warmup_iters"
+            )
         if self.parallel.p2p_transport != "torch":
             raise ValueError(
                 f"parallel.p2p_transport={self.parallel.p2p_transport} is pretraining's "
@@ -302,25 +410,31 @@ class GRPOConfig(Section):
                 "algo.entropy_coef > 0 needs parallel.tensor_model_parallel_size=1 (the entropy "
                 "is computed on full-vocabulary logits); set algo.entropy_coef=0 or TP 1"
             )
-        agents = self.sync.mooncake.agents
-        if self.sync.transport == "mooncake" and len(agents) != self.engines.num_engines:
-            raise ValueError(
-                f"sync.mooncake.agents has {len(agents)} URLs for engines.num_engines="
-                f"{self.engines.num_engines}; give one agent per engine, in the engines' order"
-            )
+        problem = self.sync.settings.engines_problem(
+            self.engines.num_engines, "engines.num_engines"
+        )
+        if problem:
+            raise ValueError(problem)
         return self
 
     def pretrain_view(self, world_size: int) -> PretrainConfig:
         """The titan_core config the Megatron trainer of ``world_size`` processes is built
-        from (same base as pretraining; the global batch is the rollout's), its layout checked
-        against ``world_size``: a ConfigError naming the key, before any process group."""
+        from (same base as pretraining), its layout checked against ``world_size``: a
+        ConfigError naming the key, before any process group. Pretraining's own ``train``
+        keys come from GRPO's: the global batch is the rollout's, ``train_iters`` (the LR
+        schedule's horizon) :attr:`optimizer_steps`, the seed ``run.seed``."""
         r = self.rollout
         batch = r.prompts_per_step * r.n_samples_per_prompt
+        shared = self.train.model_dump(include=set(TrainFields.model_fields))
         try:
+            train = TrainConfig(
+                **shared, global_batch_size=batch, train_iters=self.optimizer_steps,
+                seed=self.run.seed,
+            )  # fmt: skip
             view = PretrainConfig(
                 model=self.model,
                 parallel=self.parallel,
-                train=self.train.model_copy(update={"global_batch_size": batch}),
+                train=train,
                 data={"tokenizer_type": self.data.tokenizer_type,
                       "tokenizer_model": self.data.tokenizer_model},
                 run={"dir": self.run.dir},
@@ -338,10 +452,10 @@ class GRPOConfig(Section):
             raise ConfigError(
                 f"rollout.prompts_per_step x n_samples_per_prompt ({batch}) must be divisible "
                 f"by train.micro_batch_size x data-parallel size ({mbs} x {dp}, from "
-                f"trainer_processes={world_size})"
+                f"trainer.num_processes={world_size})"
             )
         try:
             check_layout(view, world_size)
         except ConfigError as e:
-            raise ConfigError(f"trainer_processes={world_size}: {e}") from None
+            raise ConfigError(f"trainer.num_processes={world_size}: {e}") from None
         return view

@@ -147,14 +147,14 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             url = engines.start()
             startup.ended("engines")
         trainers.connect_engines(engines.urls)
-        loop.recovery = engines.recovery(trainers.resync_engines, e.retry_timeout_s)
+        loop.recovery = engines.recovery(trainers.resync_engines, e.retry_timeout_s, e.client)
         client = make_engine_client(url, ClientOptions(
             api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency,
             retry=RetryPolicy(timeout_s=e.retry_timeout_s),
-        ))  # fmt: skip
+        ), client=e.client)  # fmt: skip
         colocation = colocation_for(
             e.colocate, engines.urls, e.api_key, cfg.sync.resume_kv_cache,
-            aio.run_until_complete, loop.recovery.wait_all_up,
+            aio.run_until_complete, loop.recovery.wait_all_up, e.client,
         )  # fmt: skip
         driver = Driver(
             cfg, loop, trainers, engines, client, colocation, writer, aio, stop,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,7 +94,7 @@ def omp_num_threads(environ: Mapping[str, str]) -> int | None:
     if not first.isdigit() or int(first) < 1:
         raise ConfigError(
             f"OMP_NUM_THREADS={raw!r}: give a positive number of threads, or unset it "
-            "(trainer_threads and engines.num_threads set them per process)"
+            "(trainer.num_threads and engines.num_threads set them per process)"
         )
     return int(first)
 
@@ -106,7 +106,7 @@ class Threads:
 
     #: threads of each trainer process
     trainer: int
-    #: threads of each engine, shared by its TP ranks (titan_rl/engine/tp_comm.py)
+    #: threads of each engine, shared by its TP ranks (titan_rl/engine/tp/comm.py)
     engine: int
     #: where each came from: the key, "OMP_NUM_THREADS" or "auto"
     trainer_from: str
@@ -180,7 +180,7 @@ def resolve_threads(
             return omp, "OMP_NUM_THREADS"
         return auto, "auto"
 
-    trainer, trainer_from = pick(trainer_threads, "trainer_threads", trainer_auto)
+    trainer, trainer_from = pick(trainer_threads, "trainer.num_threads", trainer_auto)
     engine, engine_from = pick(engine_threads, "engines.num_threads", engine_auto)
     user_wait = any(environ.get(k) for k in WAIT_SETTINGS)
     return Threads(
@@ -196,7 +196,8 @@ def job_threads(cfg: GRPOConfig) -> Threads:
     the trainer: each phase gets every core."""
     e = cfg.engines
     return resolve_threads(
-        cfg.trainer_threads, e.num_threads, cfg.trainer_processes, e.num_engines, e.tp_size,
+        cfg.trainer.num_threads, e.num_threads, cfg.trainer.num_processes, e.num_engines,
+        e.tp_size,
         at_once=not e.colocate or cfg.rollout.async_rollout,
     )  # fmt: skip
 
@@ -322,23 +323,35 @@ def _engines_error(e: EnginesConfig, problem: tuple[str, str]) -> str:
 
 
 def engine_launch(
-    cfg: GRPOConfig, backend: str, accelerator: str, threads: Threads
+    cfg: GRPOConfig,
+    accelerator: str,
+    threads: Threads,
+    model_path: str,
+    log_dir: str | None = None,
+    sglang_args: Sequence[str] = (),
 ) -> EngineLaunch:
-    """The GRPO job's engines, resolved from ``engines.*`` and ``run.dir``: the one place the
-    engine section becomes a launch (the engines serve the start-up weights the trainer
-    writes to ``<run.dir>/hf_start``, with the run's tokenizer beside them so that stop
-    texts match, and log to ``<run.dir>/logs``; ``threads``: the plan's)."""
-    e, run_dir = cfg.engines, Path(cfg.run.dir)
+    """What each engine runs, resolved: the one place an engines section becomes a launch, for
+    the GRPO job's placement plan and the slime / miles adapters' engines alike.
+
+    From ``cfg``: ``engines.*`` (the backend resolved for ``accelerator``; colocated engines
+    run with the memory saver) and ``rollout.return_routed_experts``; from the plan: the
+    engines' ``threads``, what they serve (``model_path``: the weights and the tokenizer,
+    so that stop texts match), where they log (None: a temporary folder) and flags for
+    SGLang servers only (``sglang_args``: the built-in engine would refuse them).
+    """
+    e = cfg.engines
+    backend = resolve_backend(e.backend, accelerator)
     return EngineLaunch(
-        model_path=str(run_dir / "hf_start"), backend=backend, device=accelerator,
+        model_path=model_path, backend=backend, device=accelerator,
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
         enable_memory_saver=e.colocate, api_key=e.api_key,
         num_threads=threads.engine,
         env=threads.env(threads.engine) if backend == "builtin" else {},  # SGLang: its own
-        log_dir=str(run_dir / "logs"), dtype=e.dtype,
+        log_dir=log_dir, dtype=e.dtype,
         chunked_prefill_size=e.chunked_prefill_size,
         health_timeout_s=e.health_timeout_s,
         enable_return_routed_experts=cfg.rollout.return_routed_experts,
+        extra_args=list(sglang_args) if backend == "sglang" else [],
     )  # fmt: skip
 
 
@@ -347,7 +360,7 @@ def plan_placement(
 ) -> PlacementPlan:
     """Lay out and validate the job; ``devices``: how many ``resource`` devices Ray will have
     (None: unknown). Raises ConfigError naming the key of an impossible layout."""
-    n, p, e = cfg.trainer_processes, cfg.parallel, cfg.engines
+    n, p, e = cfg.trainer.num_processes, cfg.parallel, cfg.engines
     cfg.pretrain_view(n)  # the trainer's config: layers / heads / experts / batch vs layout
     dp = n // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
     dp //= p.context_parallel_size
@@ -362,12 +375,18 @@ def plan_placement(
     if e.colocate and engine_devices > n:
         raise ConfigError(
             f"engines.colocate=true: engines.num_engines x engines.tp_size ({e.num_engines} x "
-            f"{e.tp_size} = {engine_devices}) exceeds trainer_processes ({n}), the devices the "
-            "colocated engines share; lower engines.num_engines or raise trainer_processes"
+            f"{e.tp_size} = {engine_devices}) exceeds trainer.num_processes ({n}), the devices the "
+            "colocated engines share; lower engines.num_engines or raise trainer.num_processes"
         )
     available = devices if resource else cfg.ray.num_cpus
-    logs = str(Path(cfg.run.dir) / "logs")
+    run_dir = Path(cfg.run.dir)
+    logs = str(run_dir / "logs")
     threads = job_threads(cfg)
+    # the engines serve the start-up weights the trainer writes to <run.dir>/hf_start (with
+    # the run's tokenizer beside them) and log to <run.dir>/logs
+    launch = None  # where this machine cannot launch them (a GPU plan on a CPU machine)
+    if here is None:
+        launch = engine_launch(cfg, accelerator, threads, str(run_dir / "hf_start"), logs)
     plan = PlacementPlan(
         accelerator=accelerator,
         resource=resource,
@@ -385,7 +404,7 @@ def plan_placement(
         engine_tp=e.tp_size,
         available=available,
         address=cfg.ray.address,
-        engine=engine_launch(cfg, backend, accelerator, threads) if here is None else None,
+        engine=launch,
         unlaunchable=None if here is None else _engines_error(e, here),
         threads=threads,
     )
@@ -401,10 +420,14 @@ def plan_placement(
 
 def _need(plan: PlacementPlan) -> str:
     if plan.colocate:
-        return f"trainer_processes={plan.trainer_processes} needs {plan.num_bundles} {plan.unit}(s)"
+        return (
+            f"trainer.num_processes={plan.trainer_processes} needs {plan.num_bundles} "
+            f"{plan.unit}(s)"
+        )
     return (
-        f"trainer_processes + engines.num_engines x engines.tp_size = {plan.trainer_processes} + "
-        f"{plan.num_engines} x {plan.engine_tp} = {plan.num_bundles} {plan.unit}(s) "
+        f"trainer.num_processes + engines.num_engines x engines.tp_size = "
+        f"{plan.trainer_processes} + {plan.num_engines} x {plan.engine_tp} = "
+        f"{plan.num_bundles} {plan.unit}(s) "
         "(disaggregated; engines.colocate=true shares the trainer's)"
     )
 
@@ -445,7 +468,7 @@ def placement_plan(cfg: GRPOConfig) -> list[str]:
         *plan.describe(),
         f"policy: {cfg.policy.format} weights from {cfg.policy.load}",
         f"batch: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.n_samples_per_prompt} "
-        f"samples, {cfg.ppo_steps} update(s) per step, {cfg.run.num_steps} steps",
+        f"samples, {cfg.train.ppo_steps} update(s) per step, {cfg.run.num_steps} steps",
         f"run dir: {cfg.run.dir}",
     ]
     return lines

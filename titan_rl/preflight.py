@@ -8,7 +8,6 @@ on this machine needs (a dry run may show the plan of another machine's job).
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from titan_core.checkpoint import CheckpointError, latest_iteration
@@ -18,6 +17,7 @@ from titan_core.config import ConfigError
 from titan_rl.algo.estimators import GROUP_ESTIMATORS
 from titan_rl.config import GRPOConfig
 from titan_rl.rewards.config import RewardConfig
+from titan_rl.rollout.engine_clients import engine_client_factory
 
 #: the model keys that decide the checkpoint's tensors (the others, e.g. seq_length or
 #: dropout, may differ between pretraining and RL)
@@ -99,38 +99,39 @@ def check_generate_fn(cfg: GRPOConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_engine_client(cfg: GRPOConfig) -> None:
+    """Load ``engines.client``'s factory now (a path or an entry point is imported; validating
+    the config only checks its form), so a missing module or function is a ConfigError naming
+    the key before anything starts."""
+    try:
+        engine_client_factory(cfg.engines.client)
+    except ValueError as e:  # the message names engines.client
+        raise ConfigError(str(e)) from None
+
+
 def check_config(cfg: GRPOConfig) -> None:
     """Everything of ``cfg`` beyond its own validation: the base checkpoint, the run folder,
-    the reward function, the placement (what ``--dry-run`` prints)."""
+    the reward function, the engine client, the placement (what ``--dry-run`` prints)."""
     from titan_rl.placement import machine_plan
 
     check_base_matches(cfg)
     check_base_dir(cfg)
     check_reward(cfg.reward)
     check_generate_fn(cfg)
+    check_engine_client(cfg)
     machine_plan(cfg, launching=False)
 
 
 def check_machine(cfg: GRPOConfig) -> None:
-    """What this machine must have to run ``cfg``: engines it can launch, the weight sync's
-    process-group backend and, for the mooncake transport, Mooncake."""
-    from titan_core.accelerator import get_accelerator
+    """What this machine must have to run ``cfg``: engines it can launch and what the weight
+    sync's transport needs (``machine_problem`` of its section: the distributed transport's
+    process-group backend, the mooncake transport's package)."""
     from titan_rl.placement import machine_plan
 
     machine_plan(cfg, launching=True)
-    accel, sync = get_accelerator(), cfg.sync
-    backend = sync.distributed.backend
-    if sync.transport == "distributed" and backend not in (None, *accel.weight_update_backends):
-        raise ConfigError(
-            f"sync.distributed.backend={backend}: not available on the {accel.name} "
-            f"accelerator; use one of {', '.join(accel.weight_update_backends)}, or leave it "
-            "unset (the accelerator's own)"
-        )
-    if sync.transport == "mooncake" and importlib.util.find_spec("mooncake") is None:
-        raise ConfigError(
-            "sync.transport=mooncake needs the mooncake package (pip install "
-            "mooncake-transfer-engine); or choose another sync.transport"
-        )
+    problem = cfg.sync.settings.machine_problem()
+    if problem:
+        raise ConfigError(problem)
 
 
 def learning_warnings(cfg: GRPOConfig) -> list[str]:

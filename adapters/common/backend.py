@@ -159,6 +159,7 @@ class TitanBackend:
                 # the rollout manager's recovery (adapters.common.engine_recovery); external
                 # ones (miles' --rollout-external) are not
                 supervised=not getattr(self.args, "rollout_external", False),
+                client=self.cfg.engines.client,
             )
             self._sync_urls = list(urls)
         step = int(version) if str(version).isdigit() else 0

@@ -153,6 +153,7 @@ def titan_config_from_args(args: Any) -> GRPOConfig:
             overrides += ["data.tokenizer_type=hf", f"data.tokenizer_model={hf}"]
     overrides += [f"{key}={_yaml(value)}" for key, (_, value) in flags.items()]
     overrides += _data(args)
+    overrides += _run_length(args)
     overrides += _policy(args, hf)
     overrides += list(getattr(args, "titan_overrides", None) or [])
     named = [f"{flag} -> {key}" for key, (flag, _) in flags.items() if "(default" not in flag]
@@ -176,6 +177,13 @@ def _data(args: Any) -> list[str]:
     if args.label_key:
         out.append(f"data.label_key={args.label_key}")
     return out
+
+
+def _run_length(args: Any) -> list[str]:
+    """``--num-rollout`` as ``run.num_steps``: the LR schedule's horizon is the run's
+    rollouts, as slime's and miles' (``train_iters`` from ``--num-rollout``)."""
+    num_rollout = getattr(args, "num_rollout", None)
+    return [] if num_rollout is None else [f"run.num_steps={num_rollout}"]
 
 
 def rl_checkpoint(path: str | None) -> bool:

@@ -72,6 +72,16 @@ def _same(section: str, names: str) -> dict[str, Entry]:
     return {n: _key(f"{section}.{n}") for n in names.split()}
 
 
+def _trains_estimator(name: str) -> bool:
+    """Whether the Titan backend trains advantage estimator ``name``: one of Titan's whose
+    advantage comes from the group's rewards alone (titan_rl.algo.estimators'
+    ``from_group_rewards``), as the rollout side's normalised reward is every response
+    token's advantage here."""
+    from titan_rl.algo.estimators import ESTIMATORS  # torch: only when the flag is given
+
+    return name in ESTIMATORS and ESTIMATORS[name].from_group_rewards
+
+
 def _group(entry: Entry, names: str) -> dict[str, Entry]:
     return dict.fromkeys(names.split(), entry)
 
@@ -178,9 +188,11 @@ FLAG_TABLE: dict[str, Entry] = {
         "train",
         "recompute_granularity recompute_method recompute_num_layers "
         "recompute_modules lr min_lr lr_decay_style lr_warmup_iters lr_decay_iters "
-        "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad seed bf16 fp16 "
+        "weight_decay adam_beta1 adam_beta2 adam_eps clip_grad bf16 fp16 "
         "micro_batch_size",
     ),  # fmt: skip
+    # the trainer's random state: Titan's one seed (the prompts' order is --rollout-seed's)
+    "seed": _key("run.seed"),
     "fp8_format": _key("train.fp8"),
     "fp8_recipe": _key("train.fp8_recipe"),
     "optimizer": _acts(
@@ -412,7 +424,10 @@ FLAG_TABLE: dict[str, Entry] = {
     "rollout_shuffle": _acts("slime's Dataset shuffles each epoch (seed --rollout-seed + epoch)"),
     "rollout_seed": _acts("slime's Dataset shuffle seed; Titan's prompt sampler seed"),
     "rollout_global_dataset": _acts("the data source reads --prompt-data (slime's default)"),
-    "num_rollout": _acts("rollouts to run"),
+    "num_rollout": _acts(
+        "rollouts to run; `run.num_steps`, so the LR schedule's horizon is slime's "
+        "(--num-rollout rollouts)"
+    ),
     "num_epoch": _acts("--num-rollout = epochs x prompts / --rollout-batch-size"),
     "prompt_data": _acts("jsonl / parquet prompts through slime's / miles' own Dataset"),
     "input_key": _acts("the prompt column of --prompt-data"),
@@ -526,7 +541,7 @@ FLAG_TABLE: dict[str, Entry] = {
     # ---- algorithm ---------------------------------------------------------------------
     "advantage_estimator": _key(
         "algo.advantage_estimator",
-        refuse_values=("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "cispo"),
+        refuse_values=(lambda v: not _trains_estimator(v),),
         refuse_why="the Titan backend trains grpo or gspo (the rollout side's normalised "
         "reward is every response token's advantage)",
     ),
@@ -573,8 +588,9 @@ FLAG_TABLE: dict[str, Entry] = {
     "custom_tis_function_path": Refused("use --use-tis with --tis-clip / --tis-clip-low"),
     "custom_pg_loss_reducer_function_path": Refused("custom loss reducers are not loaded"),
     "use_routing_replay": _key("algo.routing_replay"),
-    "use_rollout_routing_replay": _acts(
-        "the engines return routed experts; the trainer replays them (algo.routing_replay)"
+    "use_rollout_routing_replay": Honoured(
+        key="rollout.return_routed_experts",  # the engines' launch (SGLang's flag) reads it
+        acts="the engines return routed experts; the trainer replays them (algo.routing_replay)",
     ),  # fmt: skip
     **_group(Refused("OPSM is not supported; drop the flag"), "use_opsm opsm_delta"),
     "megatron_config_path": Refused("per-role Megatron configs: use the Titan YAML"),

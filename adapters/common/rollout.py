@@ -349,55 +349,62 @@ class TitanEngines:
         self.weight_version: int | str | None = None
 
     # ---- engines ------------------------------------------------------------------------------
-    def start_titan_engines(self, model_path: str) -> tuple[list[str], str]:
-        """``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines serving
-        ``model_path`` with its tokenizer, as slime's and miles' SGLang servers load
-        ``--hf-checkpoint`` (``--rollout-stop`` texts need it); returns (their URLs, the URL
-        generation goes to: the router, or the only engine)."""
+    def engines_config(self) -> Any:
+        """The run's Titan config with the framework's engine layout written into it:
+        ``--rollout-num-gpus / --rollout-num-gpus-per-engine`` engines of
+        ``--rollout-num-gpus-per-engine`` devices, sharing the trainer's with ``--colocate``,
+        beside ``--actor-num-nodes x --actor-num-gpus-per-node`` trainer ranks; the framework's
+        loop decides when rollouts run (never beside training while colocated)."""
+        args, cfg = self.args, self.cfg
+        per_engine = args.rollout_num_gpus_per_engine
+        engines = cfg.engines.model_copy(update={
+            "num_engines": max(1, args.rollout_num_gpus // per_engine), "tp_size": per_engine,
+            "colocate": bool(args.colocate),
+        })  # fmt: skip
+        trainer = cfg.trainer.model_copy(
+            update={"num_processes": args.actor_num_nodes * args.actor_num_gpus_per_node}
+        )
+        rollout = cfg.rollout.model_copy(update={"async_rollout": False})
+        return cfg.model_copy(update={"engines": engines, "trainer": trainer, "rollout": rollout})
+
+    def engine_launch(self, model_path: str) -> Any:
+        """What each engine runs: the GRPO job's launch (titan_rl.placement.engine_launch, from
+        the same ``engines`` and ``rollout`` sections and the same thread rule) on the
+        framework's layout, serving ``model_path`` with its tokenizer, as slime's and miles'
+        SGLang servers load ``--hf-checkpoint`` (``--rollout-stop`` texts need it); SGLang
+        servers get the ``--sglang-*`` flags."""
         from adapters.common.driver import generated_args
         from titan_core.accelerator import get_accelerator
-        from titan_rl.actors.config import (
-            EngineServerConfig,
-            RolloutEnginesConfig,
-            RouterConfig,
-            resolve_backend,
-        )
+        from titan_rl.placement import engine_launch, job_threads
+
+        cfg = self.engines_config()
+        return engine_launch(
+            cfg, get_accelerator().name, job_threads(cfg), model_path,
+            sglang_args=generated_args(self.args, "--sglang-"),
+        )  # fmt: skip
+
+    def start_titan_engines(self, model_path: str) -> tuple[list[str], str]:
+        """The engines (:meth:`engine_launch`) on the framework's rollout bundles, behind a
+        router where there are several; returns (their URLs, the URL generation goes to: the
+        router, or the only engine)."""
+        from adapters.common.driver import generated_args
+        from titan_rl.actors.config import PlacedEngine, RouterConfig
         from titan_rl.actors.engine_actor import RolloutEngineGroup
-        from titan_rl.placement import resolve_threads
 
         args, e = self.args, self.cfg.engines
-        sglang = resolve_backend(e.backend, get_accelerator().device_type) == "sglang"
+        launch = self.engine_launch(model_path)
         per_engine = args.rollout_num_gpus_per_engine
         n = max(1, args.rollout_num_gpus // per_engine)
-        threads = resolve_threads(  # the main job's rule, on the framework's layout
-            self.cfg.trainer_threads, e.num_threads,
-            args.actor_num_nodes * args.actor_num_gpus_per_node, n, per_engine,
-            at_once=not args.colocate,
-        )  # fmt: skip
-        group = RolloutEngineGroup.from_config(
-            RolloutEnginesConfig(
-                num_engines=n,
-                server=EngineServerConfig(
-                    model_path=model_path, backend=e.backend, tp_size=per_engine,
-                    mem_fraction_static=e.mem_fraction_static, enable_memory_saver=args.colocate,
-                    api_key=e.api_key, num_threads=threads.engine,
-                    env={} if sglang else threads.env(threads.engine), dtype=e.dtype,
-                    chunked_prefill_size=e.chunked_prefill_size,
-                    health_timeout_s=e.health_timeout_s,
-                    enable_return_routed_experts=bool(
-                        getattr(args, "use_rollout_routing_replay", False)
-                    ),
-                    extra_args=generated_args(args, "--sglang-") if sglang else [],
-                ),
-                router=RouterConfig(enabled=n > 1, extra_args=generated_args(args, "--router-")),
-            ),
-            self._placements(n, per_engine),
-        )  # fmt: skip
+        places = self._placements(n, per_engine)
+        group = RolloutEngineGroup(
+            [PlacedEngine(launch)] * n if places is None else [p.place(launch) for p in places],
+            RouterConfig(enabled=n > 1, extra_args=generated_args(args, "--router-")),
+        )
         self.engine_group = group
         url = group.start()
         # the main job's recovery: a restarted engine gets the trainers' weights before it
         # serves (adapters.common.engine_recovery)
-        self.recovery = group.recovery(self._resync, e.retry_timeout_s)
+        self.recovery = group.recovery(self._resync, e.retry_timeout_s, e.client)
         engine_recovery.install(self.recovery)
         return list(group.urls), url
 

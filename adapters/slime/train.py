@@ -80,6 +80,11 @@ def _train(args: Any, cfg: Any, run_dir: Any, offload_train: bool, stop: StopSig
     writer = None
     progress: RolloutProgress | None = None
     try:
+        # slime: --num-epoch passes over --prompt-data; known before the trainers are made,
+        # as in slime (--num-rollout is their LR schedule's horizon)
+        if args.num_rollout is None:
+            per_epoch = ray.get(manager.get_num_rollout_per_epoch.remote())
+            args.num_rollout = args.num_epoch * per_epoch
         actor_model, _ = placement.create_training_models(
             args, pgs, manager, actor_cls=TitanTrainActor
         )
@@ -88,9 +93,6 @@ def _train(args: Any, cfg: Any, run_dir: Any, offload_train: bool, stop: StopSig
         progress = RolloutProgress(start)
         if args.rollout_global_dataset:  # the prompts' position after the resumed rollout
             ray.get(manager.load.remote(start - 1))
-        if args.num_rollout is None:  # slime: --num-epoch passes over --prompt-data
-            per_epoch = ray.get(manager.get_num_rollout_per_epoch.remote())
-            args.num_rollout = args.num_epoch * per_epoch
         ray.get(manager.start_engines.remote(args.hf_checkpoint))
         actor_model.update_weights()  # slime's first step: the engines serve the policy
         if offload_train:

@@ -43,7 +43,7 @@ def main() -> None:
         f"rollout.prompts_per_step={N_PROMPTS}", f"rollout.n_samples_per_prompt={N_SAMPLES}",
         "train.micro_batch_size=4", "train.lr=1e-2", "train.min_lr=1e-2", "train.clip_grad=0",
         "train.lr_warmup_iters=0", "train.lr_decay_style=constant",
-        "ppo_steps=1", "run.dir=/tmp/titan_backend_worker",
+        "train.ppo_steps=1", "run.dir=/tmp/titan_backend_worker",
     ]  # fmt: skip
     tokens, resp_lens, rewards = _samples()
     if a.mode == "titan":

@@ -37,7 +37,7 @@ def overrides(model_dir: str, layout: str) -> list[str]:
         f"rollout.prompts_per_step={N_PROMPTS}", f"rollout.n_samples_per_prompt={N_SAMPLES}",
         "train.micro_batch_size=4", "train.lr=1e-2", "train.min_lr=1e-2", "train.clip_grad=0",
         "train.lr_warmup_iters=0", "train.lr_decay_style=constant",
-        "ppo_steps=1", "run.dir=/tmp/titan_colocate_worker", *LAYOUTS[layout],
+        "train.ppo_steps=1", "run.dir=/tmp/titan_colocate_worker", *LAYOUTS[layout],
     ]  # fmt: skip
 
 

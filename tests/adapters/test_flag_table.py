@@ -100,6 +100,8 @@ WITH: dict[str, list[str]] = {
     "expert_tensor_parallel_size": ["--num-experts", "4"],
     "use_routing_replay": ["--num-experts", "4"],
     "overlap_param_gather": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+    # warmup below the run's length (slime's train_iters; Megatron asserts it)
+    "lr_warmup_iters": ["--num-rollout", "4"],
 }  # fmt: skip
 
 
@@ -155,11 +157,14 @@ def test_honoured_flag_sets_its_key(dest: str) -> None:
 
 def test_a_flag_left_at_its_default_never_overrides_the_yaml(tmp_path: Path) -> None:
     yaml = tmp_path / "titan.yaml"
-    yaml.write_text("train:\n  lr: 0.5\n  min_lr: 0.0\n  seed: 11\nalgo:\n  eps_clip: 0.1\n")
+    yaml.write_text(
+        "train:\n  lr: 0.5\n  min_lr: 0.0\n  micro_batch_size: 8\nrun:\n  seed: 11\n"
+        "algo:\n  eps_clip: 0.1\n"
+    )
     args = parse("slime", [*BASE, "--titan-config", str(yaml), "--seed", "5"])
     cfg = titan_config_from_args(args)
     # slime's defaults (--lr 1e-6, --eps-clip 0.2) are not given: the YAML holds; --seed is
-    assert (cfg.train.lr, cfg.algo.eps_clip, cfg.train.seed) == (0.5, 0.1, 5)
+    assert (cfg.train.lr, cfg.algo.eps_clip, cfg.run.seed) == (0.5, 0.1, 5)
     # under slime's own parser the namespace has no record of what was typed: a value that
     # differs from slime's default counts as given
     ns = argparse.Namespace(**vars(args))
@@ -167,6 +172,16 @@ def test_a_flag_left_at_its_default_never_overrides_the_yaml(tmp_path: Path) -> 
     ns.lr = 0.25
     assert {"lr"} <= given_dests(ns, "slime") and "eps_clip" not in given_dests(ns, "slime")
     assert titan_config_from_args(ns).train.lr == 0.25
+
+
+def test_num_rollout_is_the_lr_schedules_horizon(tmp_path: Path) -> None:
+    """slime's and miles' ``train_iters``: --num-rollout rollouts (one optimizer step each
+    here: ``train.ppo_steps`` 1), whatever the YAML's ``run.num_steps``."""
+    yaml = tmp_path / "titan.yaml"
+    yaml.write_text("train:\n  micro_batch_size: 8\n  lr_warmup_iters: 0\nrun:\n  num_steps: 3\n")
+    args = parse("slime", [*BASE, "--titan-config", str(yaml), "--num-rollout", "7"])
+    cfg = titan_config_from_args(args)
+    assert (cfg.run.num_steps, cfg.pretrain_view(1).train.train_iters) == (7, 7)
 
 
 REFUSED = sorted(d for d, e in FLAG_TABLE.items() if isinstance(e, Refused))

@@ -39,7 +39,7 @@ def slime_job(tmp_path, base, monkeypatch):
         "--micro-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-3",
         "--save", str(tmp_path / "ckpt"), "--hf-checkpoint", str(tmp_path / "hf"),
         "--custom-rm-path", "adapters.slime.rewards.exact_match",
-        "--titan-override", "sync.check_every=1", "ppo_steps=1",
+        "--titan-override", "sync.check_every=1", "train.ppo_steps=1",
     ])  # fmt: skip
     prepare(args)
     args.titan_export_hf_checkpoint = True

@@ -29,7 +29,7 @@ def run(model_dir: str, run_dir: str) -> dict[str, Any]:
     overrides = [
         *hf_policy_overrides(model_dir, seq_length=16), f"run.dir={run_dir}",
         "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
-        "train.micro_batch_size=2", "train.lr=1e-3", "train.min_lr=1e-3", "ppo_steps=1",
+        "train.micro_batch_size=2", "train.lr=1e-3", "train.min_lr=1e-3", "train.ppo_steps=1",
         "algo.use_tis=false",
     ]  # fmt: skip
     trainer = PolicyTrainer(load_config(GRPOConfig, None, overrides))

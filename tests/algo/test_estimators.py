@@ -67,3 +67,47 @@ def test_greedy_sampling_is_warned_for_the_tables_group_estimators(name):
     cfg.rollout.temperature = 0.0
     warned = any("rollout.temperature=0" in line for line in learning_warnings(cfg))
     assert warned is ESTIMATORS[name].group_baseline
+
+
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_from_group_rewards_is_what_compute_advantages_does(name):
+    """Another group's rewards and response lengths leave a group's advantages alone, the
+    same on each of its tokens, exactly for the table's ``from_group_rewards`` estimators
+    (the others whiten over the batch's tokens)."""
+    cfg = AlgoConfig(advantage_estimator=name)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).float()
+    other_rewards = torch.tensor([1.0, 0.0, 3.0, -1.0])
+    other_mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]).float()
+    first = compute_advantages(rewards, 2, mask, cfg)[:2]
+    again = compute_advantages(other_rewards, 2, other_mask, cfg)[:2]
+    per_token = [set(row[m.bool()].tolist()) for row, m in zip(first, mask[:2], strict=True)]
+    local = torch.equal(first, again) and all(len(v) == 1 for v in per_token)
+    assert local is ESTIMATORS[name].from_group_rewards
+
+
+def test_gspo_alone_takes_a_sequence_ratio_in_the_loss():
+    """``sequence_ratio``: the loss of a sequence-ratio estimator differs from grpo's on the
+    same advantages, and no other estimator's does."""
+    from titan_rl.algo import policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    logprobs = torch.rand(4, 5, generator=g).log()
+    old = logprobs + 0.1 * torch.randn(4, 5, generator=g)
+    adv, mask = torch.randn(4, 5, generator=g), torch.ones(4, 5)
+    grpo, _ = policy_loss(logprobs, old, adv, mask, AlgoConfig())
+    for name, est in ESTIMATORS.items():
+        loss, _ = policy_loss(logprobs, old, adv, mask, AlgoConfig(advantage_estimator=name))
+        assert (not torch.equal(loss, grpo)) is est.sequence_ratio, name
+
+
+def test_the_adapters_train_the_estimators_computed_from_group_rewards():
+    """slime's / miles' --advantage-estimator choices the Titan backend accepts are Titan's
+    ``from_group_rewards`` estimators (their rollout side normalises the rewards)."""
+    from adapters.common.flag_table import FLAG_TABLE
+
+    entry = FLAG_TABLE["advantage_estimator"]
+    slime = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo")
+    assert [n for n in slime if not entry.refuses(n)] == ["grpo", "gspo"]
+    for name, est in ESTIMATORS.items():
+        assert entry.refuses(name) is not est.from_group_rewards, name

@@ -322,15 +322,32 @@ def test_heads_not_divisible_fail_at_start_up(dirs: dict) -> None:
 
 
 def test_a_worker_that_cannot_load_fails_start_up(tmp_path: Path) -> None:
-    from titan_rl.engine.tp import TPLeader
-    from titan_rl.engine.tp_comm import Comm
+    from titan_rl.engine.tp.comm import Comm
+    from titan_rl.engine.tp.leader import Workers
 
-    leader = TPLeader(str(tmp_path / "missing"), "float32", 2, 1)
+    workers = Workers(str(tmp_path / "missing"), "float32", 2, 1)
     try:
         with pytest.raises(ValueError, match="engine TP rank 1 failed to start: OSError"):
-            leader.connect(None, Comm())  # type: ignore[arg-type]
+            workers.connect(Comm())
     finally:
-        leader.close()
+        workers.close()
+
+
+def test_single_process_and_tp_runners_share_one_interface() -> None:
+    """The engine runs its model through ``Runner`` only: the single-process runner and the
+    TP leader implement every operation of it, with the same parameters."""
+    import inspect
+
+    from titan_rl.engine.runner import ModelRunner, Runner
+    from titan_rl.engine.tp.leader import TPRunner
+
+    ops = [n for n, v in vars(Runner).items() if not n.startswith("_") and callable(v)]
+    assert {"prefill", "decode", "load", "update", "release_weights", "close"} <= set(ops)
+    for impl in (ModelRunner, TPRunner):
+        assert isinstance(vars(impl).get("alive"), property), impl
+        for name in ops:
+            want = list(inspect.signature(getattr(Runner, name)).parameters)
+            assert list(inspect.signature(getattr(impl, name)).parameters) == want, (impl, name)
 
 
 def test_builtin_engines_launch_with_tp() -> None:

@@ -220,8 +220,8 @@ def test_bfloat16_engine_differs_a_little_from_fp32(engine: Engine, moe_dir: Pat
         # weight updates are cast to the engine's dtype
         name = "model.layers.0.mlp.gate.weight"
         new = torch.randn(NUM_EXPERTS, 64)
-        bf16.call(lambda: bf16.load_named_tensors([(name, new)])).result()
-        assert bf16.tensor(name).dtype == torch.bfloat16
-        assert torch.equal(bf16.tensor(name), new.to(torch.bfloat16))
+        bf16.call(lambda: bf16.runner.load([(name, new)])).result()
+        assert bf16.runner.tensor(name).dtype == torch.bfloat16
+        assert torch.equal(bf16.runner.tensor(name), new.to(torch.bfloat16))
     finally:
         bf16.shutdown()

@@ -40,7 +40,7 @@ def math_tool_run(tmp_path_factory: pytest.TempPathFactory) -> MathToolRun:
          f"policy.load={base / 'checkpoints'}", f"policy.pretrain_overrides={recipe}",
          f"run.dir={run_dir}", "run.num_steps=3", "run.eval_interval=3", "run.save_interval=0",
          "data.num_eval=16", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
-         "train.micro_batch_size=32", "train.global_batch_size=32", "ppo_steps=1"],
+         "train.micro_batch_size=32", "train.ppo_steps=1"],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip
     return MathToolRun(base, run_dir, proc)

@@ -36,8 +36,8 @@ def run(model_dir: str, run_dir: str) -> dict[str, Any]:
     overrides = [
         *hf_policy_overrides(model_dir, seq_length=80), f"run.dir={run_dir}",
         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr=1e-3",
-        "train.min_lr=1e-3", "ppo_steps=1",
+        "train.micro_batch_size=2", "train.lr=1e-3",
+        "train.min_lr=1e-3", "train.ppo_steps=1",
         # the load-balancing loss counts every token a router sees, padding included: off,
         # so that the two layouts' gradients are the same sum
         "model.moe_aux_loss_coeff=0",

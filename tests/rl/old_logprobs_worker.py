@@ -51,8 +51,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     overrides = [
         *hf_policy_overrides(a.model_dir, seq_length=32), f"run.dir={a.run_dir}",
         "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2",
-        "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr=1e-3",
-        "train.min_lr=1e-3", "ppo_steps=1", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.05",
+        "train.micro_batch_size=2", "train.lr=1e-3",
+        "train.min_lr=1e-3", "train.ppo_steps=1", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.05",
         "algo.entropy_coef=0.01", f"algo.recompute_old_logprobs={bool(a.recompute)}",
         f"parallel.pipeline_model_parallel_size={a.pp}",
     ]  # fmt: skip

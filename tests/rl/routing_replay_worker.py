@@ -33,7 +33,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     overrides = [
         *hf_policy_overrides(a.model_dir, seq_length=32), f"run.dir={a.run_dir}",
         f"rollout.prompts_per_step={len(rows) // 2}", "rollout.n_samples_per_prompt=2",
-        "train.micro_batch_size=1", "ppo_steps=1", "algo.use_tis=false",
+        "train.micro_batch_size=1", "train.ppo_steps=1", "algo.use_tis=false",
         "algo.routing_replay=true", "rollout.return_routed_experts=true",
         f"parallel.pipeline_model_parallel_size={a.pp}",
         f"parallel.expert_model_parallel_size={a.ep}",

@@ -5,20 +5,22 @@ a user can get wrong refused before anything starts, the custom reward imported 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from titan_core.config import ConfigError, load_config
-from titan_core.config.pretrain import DataConfig
+from titan_core.config.pretrain import DataConfig, PretrainConfig, TrainFields
 from titan_rl.actors.config import EngineLaunch, EngineServerConfig, RolloutEnginesConfig
 from titan_rl.actors.server import build_command
-from titan_rl.config import GRPOConfig, RLDataConfig
+from titan_rl.config import MOVED_TRAIN_KEYS, GRPOConfig, RLDataConfig, RLTrainConfig
 from titan_rl.grpo import main
 from titan_rl.placement import EnginePlacement, Placement, Slot, plan_placement
 from titan_rl.preflight import check_machine, check_reward
-from titan_rl.sync.config import DiskSync, SyncConfig
+from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.transports.disk import DiskSync
 
 REPO = Path(__file__).resolve().parents[2]
 MATH = REPO / "examples" / "math.yaml"
@@ -51,7 +53,7 @@ def test_the_plan_resolves_each_engines_launch_once(tmp_path):
 
 
 def test_placement_gives_each_engine_its_device_and_start_weights():
-    cfg = _cfg("engines.colocate=false", "trainer_processes=4", "engines.num_engines=2",
+    cfg = _cfg("engines.colocate=false", "trainer.num_processes=4", "engines.num_engines=2",
                path=QWEN3)  # fmt: skip
     plan = plan_placement(cfg, "cuda", "GPU", 8)
     slots = [Slot(i, "10.0.0.1", device=i) for i in range(8)]
@@ -169,8 +171,85 @@ def test_pretrain_view_checks_its_world_size():
     ):
         cfg.pretrain_view(4)
     tp2 = _cfg("parallel.tensor_model_parallel_size=2")
-    with pytest.raises(ConfigError, match=r"trainer_processes=3: world size 3 is not divisible"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.num_processes=3: world size 3 is not divisible"
+    ):
         tp2.pretrain_view(3)
+
+
+# ---- GRPO's own keys ----------------------------------------------------------------------------
+def test_grpo_train_declares_the_shared_keys_once_and_ppo_steps():
+    own = set(RLTrainConfig.__dict__.get("__annotations__", {}))
+    # RL's own defaults for some shared keys (a small constant LR): same types and bounds
+    rl_defaults = {"micro_batch_size", "lr", "lr_warmup_iters", "lr_decay_style", "weight_decay"}
+    assert own == {"ppo_steps"} | rl_defaults  # the rest is pretraining's TrainFields as is
+    for key in rl_defaults:
+        rl, pre = RLTrainConfig.model_fields[key], TrainFields.model_fields[key]
+        assert (rl.annotation, rl.metadata) == (pre.annotation, pre.metadata), key
+        assert rl.default != pre.default, key
+    assert set(RLTrainConfig.model_fields) == set(TrainFields.model_fields) | own
+    assert not set(RLTrainConfig.model_fields) & set(MOVED_TRAIN_KEYS)
+
+
+@pytest.mark.parametrize(
+    "override, use",
+    [
+        ("train.seed=3", "use run.seed"),
+        ("train.log_interval=2", "use run.log_interval"),
+        ("train.eval_interval=5", "use run.eval_interval"),
+        ("train.eval_iters=2", "use data.num_eval"),
+        ("train.train_iters=50", "use run.num_steps"),
+        ("train.global_batch_size=256", "rollout.prompts_per_step x rollout.n_samples_per_prompt"),
+        ("train.stop_at_eval_accuracy=0.5", "drop it"),
+        ("ppo_steps=2", "use train.ppo_steps"),
+        ("trainer_processes=2", "use trainer.num_processes"),
+        ("trainer_threads=2", "use trainer.num_threads"),
+    ],
+)
+def test_an_old_or_pretraining_key_is_refused_naming_the_one_to_use(override, use):
+    key = override.split("=")[0]
+    said = re.escape(f"{key} is not a titan_rl.grpo key: ") + ".*" + re.escape(use)
+    with pytest.raises(ConfigError, match=said):
+        _cfg(override)
+
+
+def _lrs(cfg, optimizer_steps: int, batch: int) -> list[float]:
+    """The LR of each optimizer step under ``cfg``'s scheduler, stepped as the trainers step it
+    (``batch`` samples per optimizer step)."""
+    import torch
+
+    from titan_core.training.optim import build_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = build_scheduler(cfg, opt)
+    out = []
+    for _ in range(optimizer_steps):
+        out.append(opt.param_groups[0]["lr"])
+        sched.step(increment=batch)
+    return out
+
+
+def test_the_lr_horizon_is_the_runs_optimizer_steps():
+    """run.num_steps x train.ppo_steps optimizer steps, as a pretraining run of that many
+    iterations on the rollout's batch decays (not pretraining's default 200, nor 10**9)."""
+    sched = ["train.lr_decay_style=cosine", "train.lr=1e-3", "train.min_lr=1e-5"]
+    cfg = _cfg(*sched, "run.num_steps=6", "train.ppo_steps=2", "train.lr_warmup_iters=2")
+    view = cfg.pretrain_view(1)
+    reference = load_config(
+        PretrainConfig, REPO / "examples/pretrain_math_base.yaml",
+        [*sched, "train.lr_warmup_iters=2", "train.train_iters=12",
+         "train.global_batch_size=256", "train.micro_batch_size=128"],
+    )  # fmt: skip
+    got, want = _lrs(view, 13, 256), _lrs(reference, 13, 256)
+    assert got == want
+    assert got[1] < got[2] == 1e-3 > got[11] > got[12] == 1e-5  # warm-up, decay, at min_lr
+    # a step count that the LR schedule does not reach is refused
+    with pytest.raises(ConfigError, match=r"train\.lr_warmup_iters \(12\) must be below"):
+        _cfg(*sched, "run.num_steps=6", "train.ppo_steps=2", "train.lr_warmup_iters=12")
+
+
+def test_run_seed_seeds_the_trainer():
+    assert _cfg("run.seed=7").pretrain_view(1).train.seed == 7
 
 
 def test_entropy_with_tensor_parallelism_is_refused_on_loading():
@@ -204,3 +283,13 @@ def test_a_missing_custom_reward_stops_the_dry_run(tmp_path, capsys):
     args = ["--config", str(MATH), "reward.type=custom", "reward.custom_path=no_such_mod_17:f"]
     assert main([*args, "--dry-run"]) == 2
     assert "reward.custom_path 'no_such_mod_17:f': cannot import" in capsys.readouterr().err
+
+
+def test_a_train_section_that_sets_some_keys_gets_rls_defaults_for_the_rest(tmp_path):
+    """Not pretraining's (lr 1e-3, cosine, warmup 20, weight decay 0.01, micro batch 8)."""
+    path = tmp_path / "grpo.yaml"
+    path.write_text("train:\n  lr: 2.0e-4\n")
+    partial = load_config(GRPOConfig, str(path), [])
+    default = load_config(GRPOConfig, None, [])
+    assert partial.train.lr == 2e-4
+    assert partial.train.model_dump(exclude={"lr"}) == default.train.model_dump(exclude={"lr"})

@@ -133,7 +133,7 @@ def _driver(tmp_path: Path, *overrides: str, colocate: bool = False):
     cfg = resolve_config(load_config(GRPOConfig, REPO / "examples/math.yaml", [
         f"run.dir={tmp_path}", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
         "rollout.n_samples_per_prompt=2", "train.micro_batch_size=4",
-        "train.global_batch_size=4", f"engines.colocate={str(colocate).lower()}", *overrides,
+        f"engines.colocate={str(colocate).lower()}", *overrides,
     ]))  # fmt: skip
     log: list[tuple] = []
     stop = StopSignals()  # not installed: the fake rollout requests the stop itself

@@ -82,7 +82,7 @@ def _run_and_kill(run_dir: Path, base: Path, *extra: str) -> tuple[subprocess.Po
     cmd = [
         sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
         f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=3", "run.save_interval=0",
-        "run.eval_interval=100", "data.num_eval=16", "ppo_steps=1", "sync.check_every=1",
+        "run.eval_interval=100", "data.num_eval=16", "train.ppo_steps=1", "sync.check_every=1",
         "engines.retry_timeout_s=300", *extra,
     ]  # fmt: skip
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115

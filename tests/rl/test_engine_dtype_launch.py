@@ -45,3 +45,31 @@ def test_sglang_gets_dtype_and_routed_experts_flags() -> None:
     assert "--enable-return-routed-experts" in argv
     off = plan_placement(_cfg(path=QWEN3), "cuda", "GPU", 8).engine
     assert off is not None and "--enable-return-routed-experts" not in build_command(off, 31000)
+
+
+def test_every_engine_setting_of_a_launch_reaches_the_engine(tmp_path: Path) -> None:
+    """The launch's engine settings -> argv -> ``python -m titan_rl.engine``'s parser -> the
+    settings the Engine runs with: each one arrives (titan_rl/engine_settings.py lists them)."""
+    from titan_rl.engine_settings import EngineSettings, from_arguments
+
+    cfg = _cfg(
+        f"run.dir={tmp_path}", "engines.dtype=bfloat16", "engines.num_threads=3",
+        "engines.chunked_prefill_size=512", "engines.tp_size=2", "trainer.num_processes=2",
+    )  # fmt: skip
+    launch = plan_placement(cfg, "cpu", None, None).engine
+    assert launch is not None
+    launch = launch.model_copy(update={"context_length": 48, "weight_version": "7"})
+    argv = build_command(launch, 31000)
+    got = from_arguments(build_parser().parse_args(argv[argv.index("titan_rl.engine") + 1 :]))
+    want = EngineSettings(
+        dtype="bfloat16", context_length=48, chunked_prefill_size=512, num_threads=3,
+        tp_size=2, weight_version="7",
+    )  # fmt: skip
+    assert got == want
+    # at their defaults, no flag: the engine's own defaults stand
+    default = plan_placement(_cfg(f"run.dir={tmp_path}"), "cpu", None, None).engine
+    assert default is not None
+    argv = build_command(default.model_copy(update={"num_threads": None}), 31000)
+    assert argv[argv.index("titan_rl.engine") + 1 :] == [
+        "--model-path", str(tmp_path / "hf_start"), "--host", "127.0.0.1", "--port", "31000",
+    ]  # fmt: skip

@@ -115,7 +115,7 @@ def run_with_stops(run_dir: Path, base: Path) -> tuple[subprocess.Popen, dict]:
     cmd = [
         sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
         f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=5", "run.save_interval=0",
-        "run.eval_interval=100", "data.num_eval=16", "ppo_steps=1", "sync.check_every=1",
+        "run.eval_interval=100", "data.num_eval=16", "train.ppo_steps=1", "sync.check_every=1",
         f"engines.health_timeout_s={HEALTH_TIMEOUT_S:g}", "engines.retry_timeout_s=300",
     ]  # fmt: skip
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115

@@ -39,7 +39,7 @@ def _grpo(run_dir: Path, base: Path, steps: int, *extra: str) -> subprocess.Comp
          f"policy.load={base}", f"run.dir={run_dir}", f"run.num_steps={steps}",
          "run.eval_interval=100", "run.save_interval=4", "data.num_eval=16",
          "rollout.prompts_per_step=16", "rollout.n_samples_per_prompt=8",
-         "train.micro_batch_size=64", "train.lr=2e-3", "train.min_lr=2e-3", "ppo_steps=1",
+         "train.micro_batch_size=64", "train.lr=2e-3", "train.min_lr=2e-3", "train.ppo_steps=1",
          "reward.type=custom", f"reward.custom_path={REPO / 'tests/rl/easy_reward.py'}:starts_with_one",
          "sync.check_every=4", *extra],
         capture_output=True, text=True, cwd=REPO, timeout=900,

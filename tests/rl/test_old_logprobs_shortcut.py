@@ -122,7 +122,7 @@ MOE = ["model.num_moe_experts=4", "model.moe_router_topk=2"]
         (["algo.use_kl_loss=true", "algo.kl_loss_coef=0.1", "algo.entropy_coef=0.01"], None),
         ([*MOE, "algo.routing_replay=true"], None),
         (["algo.recompute_old_logprobs=true"], "algo.recompute_old_logprobs"),
-        (["ppo_steps=2"], "ppo_steps=2"),
+        (["train.ppo_steps=2"], "train.ppo_steps=2"),
         (["algo.use_kl_in_reward=true", "algo.kl_in_reward_coef=0.1"], "use_kl_in_reward"),
         (["algo.use_rs=true"], "algo.use_rs"),
         (["model.hidden_dropout=0.1"], "dropout 0.1"),

@@ -37,7 +37,7 @@ def _gpu_plan(cfg: GRPOConfig, devices: int | None = 8):
 # ---- ray.init ---------------------------------------------------------------------------------
 def test_ray_init_kwargs_local_sizes_the_ray_for_the_plan():
     plan = plan_placement(
-        _cfg(MATH, "trainer_processes=4", "train.micro_batch_size=64"), "cpu", None, None
+        _cfg(MATH, "trainer.num_processes=4", "train.micro_batch_size=64"), "cpu", None, None
     )
     kw = ray_init_kwargs(RayConfig(), plan)
     assert kw["address"] == "local"  # a new local Ray even where RAY_ADDRESS is set
@@ -97,7 +97,7 @@ def test_colocated_plan_names_each_actors_device():
 
 
 def test_disaggregated_plan_puts_engines_after_the_trainer():
-    cfg = _cfg(QWEN3, "engines.colocate=false", "trainer_processes=4", "engines.num_engines=2")
+    cfg = _cfg(QWEN3, "engines.colocate=false", "trainer.num_processes=4", "engines.num_engines=2")
     plan = _gpu_plan(cfg)
     assert plan.num_bundles == 8 and plan.dp == 2 and plan.trainer_share == 1.0
     assert [list(plan.engine_slots(i)) for i in range(2)] == [[4, 5], [6, 7]]
@@ -108,7 +108,7 @@ def test_disaggregated_plan_puts_engines_after_the_trainer():
 
 def test_moe_plan_shows_expert_coordinates():
     cfg = _cfg(
-        MATH, "trainer_processes=4", "model.num_moe_experts=4", "parallel.expert_model_parallel_size=4",
+        MATH, "trainer.num_processes=4", "model.num_moe_experts=4", "parallel.expert_model_parallel_size=4",
         "train.micro_batch_size=64",
     )  # fmt: skip
     lines = "\n".join(plan_placement(cfg, "cpu", None, None).describe())
@@ -127,15 +127,15 @@ def test_dry_run_plan_on_this_machine():
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["trainer_processes=3", "parallel.tensor_model_parallel_size=2"], "trainer_processes=3: world size 3 is not divisible by tensor x pipeline"),
+        (["trainer.num_processes=3", "parallel.tensor_model_parallel_size=2"], "trainer.num_processes=3: world size 3 is not divisible by tensor x pipeline"),
         (
-            ["trainer_processes=2", "parallel.tensor_model_parallel_size=2", "model.num_moe_experts=4",
+            ["trainer.num_processes=2", "parallel.tensor_model_parallel_size=2", "model.num_moe_experts=4",
              "parallel.expert_model_parallel_size=2"],
             "parallel.expert_model_parallel_size",
         ),
         (["parallel.expert_model_parallel_size=2"], "model.num_moe_experts"),
-        (["trainer_processes=2", "parallel.pipeline_model_parallel_size=2", "model.num_layers=3"], "model.num_layers (3)"),
-        (["trainer_processes=4"], "rollout.prompts_per_step x n_samples_per_prompt (256)"),
+        (["trainer.num_processes=2", "parallel.pipeline_model_parallel_size=2", "model.num_layers=3"], "model.num_layers (3)"),
+        (["trainer.num_processes=4"], "rollout.prompts_per_step x n_samples_per_prompt (256)"),
         (["engines.colocate=true", "engines.num_engines=2", "engines.router=true"], "engines.colocate=true: engines.num_engines x engines.tp_size"),
         (["ray.num_cpus=1"], "only 1 are available (ray.num_cpus)"),
     ],
@@ -152,7 +152,7 @@ def test_gpu_layouts_beyond_the_devices_name_the_keys():
         ConfigError, match=r"engines\.num_engines x engines\.tp_size = 8 \+ 4 x 2 = 16 GPU"
     ):
         _gpu_plan(_cfg(QWEN3, "engines.colocate=false"))
-    with pytest.raises(ConfigError, match=r"trainer_processes=8 needs 8 GPU\(s\), but only 4"):
+    with pytest.raises(ConfigError, match=r"trainer.num_processes=8 needs 8 GPU\(s\), but only 4"):
         _gpu_plan(_cfg(QWEN3), devices=4)
     with pytest.raises(
         ConfigError, match=r"ray\.num_cpus=4: the placement group needs one CPU per bundle"
@@ -168,10 +168,10 @@ def test_gpu_layouts_beyond_the_devices_name_the_keys():
 def test_dry_run_of_an_impossible_layout_exits_2(capsys):
     from titan_rl.grpo import main
 
-    code = main(["--config", str(MATH), "--dry-run", "trainer_processes=3",
+    code = main(["--config", str(MATH), "--dry-run", "trainer.num_processes=3",
                  "parallel.tensor_model_parallel_size=2"])  # fmt: skip
     out, err = capsys.readouterr()
-    assert code == 2 and "trainer_processes=3" in err, err
+    assert code == 2 and "trainer.num_processes=3" in err, err
     assert out == ""
 
 
@@ -250,7 +250,7 @@ def test_reserve_checks_the_running_ray_before_waiting_on_it(local_ray):
     from titan_rl.placement import reserve
 
     plan = plan_placement(
-        _cfg(MATH, "trainer_processes=4", "train.micro_batch_size=64"), "cpu", None, None
+        _cfg(MATH, "trainer.num_processes=4", "train.micro_batch_size=64"), "cpu", None, None
     )
     with pytest.raises(ConfigError, match=r"= 5 CPU slot\(s\).*the Ray cluster has 2 CPU"):
         reserve(plan)

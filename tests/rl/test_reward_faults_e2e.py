@@ -26,7 +26,7 @@ def _grpo(run_dir: Path, base: Path, fn: str, *extra: str) -> subprocess.Complet
         [sys.executable, "-m", "titan_rl.grpo", "--config", str(REPO / "examples/math.yaml"),
          f"policy.load={base}", f"run.dir={run_dir}", "run.num_steps=2", "run.save_interval=1",
          "run.eval_interval=100", "data.num_eval=16", "rollout.prompts_per_step=16",
-         "train.micro_batch_size=64", "ppo_steps=1", "sync.check_every=100",
+         "train.micro_batch_size=64", "train.ppo_steps=1", "sync.check_every=100",
          "reward.type=custom", f"reward.custom_path={REWARD}:{fn}", *extra],
         capture_output=True, text=True, cwd=REPO, timeout=600,
     )  # fmt: skip

@@ -64,7 +64,7 @@ def _grpo(run_dir: Path, base: Path, steps: int, *extra: str) -> Job:
         f"policy.load={base}", f"run.dir={run_dir}", f"run.num_steps={steps}",
         "run.eval_interval=100", "run.save_interval=100", "data.num_eval=16",
         "rollout.prompts_per_step=16", "rollout.n_samples_per_prompt=8",
-        "train.micro_batch_size=64", "ppo_steps=1", "sync.check_every=0",
+        "train.micro_batch_size=64", "train.ppo_steps=1", "sync.check_every=0",
         "reward.type=custom", f"reward.custom_path={SLOW_REWARD}", *extra,
     ])  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The trainer's and engines' threads: ``trainer_threads`` / ``engines.num_threads``, the
+"""The trainer's and engines' threads: ``trainer.num_threads`` / ``engines.num_threads``, the
 ``OMP_NUM_THREADS`` default, the auto split the placement plan makes (colocated, disaggregated,
 async), the wait policy given to the processes, and what --dry-run prints; end to end, the
 trainer actor and the engine report the counts the plan resolved (in a run with neither
@@ -44,8 +44,8 @@ def _plan(*overrides: str):
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer_threads=0", "trainer_threads"), ("engines.num_threads=0", "engines.num_threads"),
-     ("trainer_threads=two", "trainer_threads")],
+    [("trainer.num_threads=0", "trainer.num_threads"), ("engines.num_threads=0", "engines.num_threads"),
+     ("trainer.num_threads=two", "trainer.num_threads")],
 )  # fmt: skip
 def test_thread_keys_are_checked(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -62,13 +62,13 @@ def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cor
     t = _plan("engines.colocate=true").threads
     assert (t.trainer, t.engine, t.at_once) == (8, 8, False)
     # 2 trainer processes and an engine of 2 TP ranks: 4 slots of 2 cores each
-    t = _plan("trainer_processes=2", "engines.tp_size=2", "train.micro_batch_size=64").threads
+    t = _plan("trainer.num_processes=2", "engines.tp_size=2", "train.micro_batch_size=64").threads
     assert (t.trainer, t.engine) == (2, 4)
     # 3 slots of 8 cores: 2 each, the 2 left over to the trainer processes
-    t = _plan("trainer_processes=2", "train.micro_batch_size=64").threads
+    t = _plan("trainer.num_processes=2", "train.micro_batch_size=64").threads
     assert (t.trainer, t.engine) == (3, 2)
     cores(2)
-    t = _plan("trainer_processes=4", "train.micro_batch_size=64").threads
+    t = _plan("trainer.num_processes=4", "train.micro_batch_size=64").threads
     assert (t.trainer, t.engine) == (1, 1)  # more processes than cores: one thread each
     assert (_plan("engines.colocate=true").threads.trainer, _plan().threads.trainer) == (2, 1)
 
@@ -78,8 +78,8 @@ def test_omp_num_threads_is_the_default_of_both_and_the_keys_win(cores, monkeypa
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     t = _plan().threads
     assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (3, 3, *["OMP_NUM_THREADS"] * 2)
-    t = _plan("trainer_threads=5", "engines.num_threads=2").threads
-    assert (t.trainer, t.engine, t.trainer_from) == (5, 2, "trainer_threads")
+    t = _plan("trainer.num_threads=5", "engines.num_threads=2").threads
+    assert (t.trainer, t.engine, t.trainer_from) == (5, 2, "trainer.num_threads")
     assert _plan("engines.num_threads=6").threads.trainer == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # nested levels: the first is this process's
     assert _plan().threads.trainer == 4
@@ -120,10 +120,10 @@ def test_resolve_threads_is_the_adapters_rule_too():
 
 def test_dry_run_prints_the_threads(cores, capsys):
     cores(2)
-    assert main(["--config", str(MATH), "--dry-run", "trainer_threads=2"]) == 0
+    assert main(["--config", str(MATH), "--dry-run", "trainer.num_threads=2"]) == 0
     out = capsys.readouterr().out
     assert (
-        "threads: 2 per trainer process (trainer_threads), 1 per engine (auto); auto: the 2 "
+        "threads: 2 per trainer process (trainer.num_threads), 1 per engine (auto); auto: the 2 "
         "core(s) this job may use, split between the trainer processes and the engines (side "
         "by side); OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
     ) in out.splitlines()
@@ -158,7 +158,7 @@ def test_a_bad_omp_num_threads_exits_2(cores, monkeypatch, capsys):
 @pytest.mark.slow
 def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, base):
     """The trainer actor and the engine process report the threads the plan resolved
-    (``trainer_threads``, and ``OMP_NUM_THREADS`` as the engine's default), each with
+    (``trainer.num_threads``, and ``OMP_NUM_THREADS`` as the engine's default), each with
     idle threads sleeping, at niceness 0 (not Ray's 15); with ``run.eval_interval=null run.save_interval=null`` the run
     writes no eval/accuracy and no checkpoint, not even at its last step."""
     run_dir = tmp_path / "run"
@@ -168,7 +168,7 @@ def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, b
         [sys.executable, "-m", "titan_rl.grpo", "--config", str(MATH), f"policy.load={base}",
          f"run.dir={run_dir}", "run.num_steps=2", "run.eval_interval=null",
          "run.save_interval=null", "rollout.prompts_per_step=16", "train.micro_batch_size=64",
-         "ppo_steps=1", "sync.check_every=0", "trainer_threads=2"],
+         "train.ppo_steps=1", "sync.check_every=0", "trainer.num_threads=2"],
         capture_output=True, text=True, cwd=REPO, timeout=900,
         env=env | {"OMP_NUM_THREADS": "3"},
     )  # fmt: skip

@@ -48,7 +48,7 @@ def test_a_never_returning_tool_neither_stalls_the_run_nor_holds_its_exit(
          f"policy.load={base / 'checkpoints'}", f"run.dir={run_dir}", "run.num_steps=2",
          "run.eval_interval=2", "run.save_interval=0",
          "data.num_eval=16", "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4",
-         "train.micro_batch_size=32", "train.global_batch_size=32", "ppo_steps=1",
+         "train.micro_batch_size=32", "train.ppo_steps=1",
          "rollout.generate_fn=tests/rl/stuck_tool.py:generate"],
         stdout=out, stderr=err, text=True, cwd=REPO,
     )  # fmt: skip

@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 
-from titan_rl.actors import EngineServerConfig, RolloutEngine
+from titan_rl.actors.config import EngineServerConfig
+from titan_rl.actors.engine_process import RolloutEngine
 
 
 def main() -> None:

@@ -14,16 +14,15 @@ import pytest
 
 from titan_core.accelerator import get_accelerator
 from titan_core.config import ConfigError, load_config
-from titan_rl.actors import (
+from titan_rl.actors.config import (
     EngineServerConfig,
-    RolloutEngineGroup,
     RolloutEnginesConfig,
-    ServerProcess,
-    build_command,
-    build_router_command,
+    RouterConfig,
     resolve_backend,
 )
-from titan_rl.actors.config import RouterConfig
+from titan_rl.actors.engine_actor import RolloutEngineGroup
+from titan_rl.actors.router import build_router_command
+from titan_rl.actors.server import ServerProcess, build_command
 from titan_rl.rollout import SGLangClient
 
 

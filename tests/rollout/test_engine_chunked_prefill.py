@@ -264,7 +264,7 @@ def test_runner_drops_rows_between_chunks(llama: Path) -> None:
     """The runner's partial cache of a group of rows: rows dropped between chunks (an aborted
     sequence's), the rest finish as a one-forward prefill of their prompts would."""
     from titan_rl.engine.runner import build_runner, load_model
-    from titan_rl.engine.tp_comm import Comm
+    from titan_rl.engine.tp.comm import Comm
 
     runner = build_runner(load_model(str(llama), "float32"), 0, 1, Comm())
     prompts = torch.tensor([_prompt(90, 70 + i) for i in range(3)])

@@ -16,8 +16,9 @@ import httpx
 import psutil
 import pytest
 
-from titan_rl.actors import EngineServerConfig, ServerProcess
+from titan_rl.actors.config import EngineServerConfig
 from titan_rl.actors.health import Silence
+from titan_rl.actors.server import ServerProcess
 
 
 def test_silence_is_said_from_a_few_seconds_and_hung_at_the_timeout(caplog):

@@ -47,13 +47,13 @@ def test_fused_experts_are_named_per_expert(engine: Engine, moe_dirs: tuple[Path
         pytest.skip("this transformers keeps per-expert parameters (nothing to map)")
     ckpt = load_file(str(moe_dirs[0] / "model.safetensors"))
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in ckpt
-    assert engine.param_names() == set(ckpt)
-    assert engine.missing_params(set(ckpt)) == set()
+    assert engine.runner.param_names() == set(ckpt)
+    assert engine.runner.missing_params(set(ckpt)) == set()
     # fused names cover their experts too
-    assert engine.missing_params(set(state)) == set()
+    assert engine.runner.missing_params(set(state)) == set()
     # views into the fused tensors: the checkpoint's values, in place
     for name, t in ckpt.items():
-        assert torch.equal(engine.tensor(name), t), name
+        assert torch.equal(engine.runner.tensor(name), t), name
 
 
 def test_per_expert_update_serves_the_new_model(
@@ -62,12 +62,12 @@ def test_per_expert_update_serves_the_new_model(
     new = load_file(str(moe_dirs[1] / "model.safetensors"))
     ref = hf_model(moe_dirs[1])
     assert (logits(engine.model) - logits(ref)).abs().max() > 0.1
-    n = engine.call(lambda: engine.load_named_tensors(sorted(new.items()))).result()
+    n = engine.call(lambda: engine.runner.load(sorted(new.items()))).result()
     assert n == len(new)
     assert (logits(engine.model) - logits(ref)).abs().max() < 1e-5
     # and back, with the fused names (both namings are accepted)
     old = hf_model(moe_dirs[0])
-    engine.call(lambda: engine.load_named_tensors(list(old.state_dict().items()))).result()
+    engine.call(lambda: engine.runner.load(list(old.state_dict().items()))).result()
     assert torch.equal(logits(engine.model), logits(old))
 
 
@@ -75,11 +75,11 @@ def test_bad_expert_names_and_shapes_are_rejected(engine: Engine) -> None:
     before = engine.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].clone()
     good = ("model.layers.0.mlp.experts.1.gate_proj.weight", torch.zeros(32, 64))
     with pytest.raises(RequestError, match="unknown parameter"):
-        engine.load_named_tensors(
+        engine.runner.load(
             [good, ("model.layers.0.mlp.experts.4.gate_proj.weight", torch.zeros(32, 64))]
         )
     with pytest.raises(RequestError, match="shape"):
-        engine.load_named_tensors(
+        engine.runner.load(
             [good, ("model.layers.0.mlp.experts.0.down_proj.weight", torch.zeros(32, 64))]
         )
     # nothing applied when one name or shape is wrong
@@ -91,7 +91,9 @@ def test_disk_checkpoint_with_fused_names_is_complete(
 ) -> None:
     fused = {k: v.clone() for k, v in hf_model(moe_dirs[1]).state_dict().items()}
     save_file(fused, str(tmp_path / "model.safetensors"))
-    assert engine.missing_params(set(load_file(str(tmp_path / "model.safetensors")))) == set()
+    assert (
+        engine.runner.missing_params(set(load_file(str(tmp_path / "model.safetensors")))) == set()
+    )
 
 
 def test_released_weights_free_their_storage_and_take_an_update(
@@ -100,18 +102,18 @@ def test_released_weights_free_their_storage_and_take_an_update(
     """Release frees every parameter (fused experts included), names and shapes stay; the
     resumed weights hold no values until an update loads them (per-expert names)."""
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
-    shape = engine.tensor(name).shape
-    assert engine.weight_bytes() > 0
-    engine.call(lambda: engine.release_memory(["weights"])).result()
+    shape = engine.runner.tensor(name).shape
+    assert engine.runner.weight_bytes() > 0
+    engine.call(lambda: engine.memory.release(["weights"])).result()
     try:
-        assert engine.weight_bytes() == 0 and engine.released
-        assert engine.tensor(name).is_meta and engine.tensor(name).shape == shape
+        assert engine.runner.weight_bytes() == 0 and engine.memory.released
+        assert engine.runner.tensor(name).is_meta and engine.runner.tensor(name).shape == shape
         with pytest.raises(RequestError, match="weights are released"):
-            engine.load_named_tensors([(name, torch.zeros(shape))])
+            engine.runner.load([(name, torch.zeros(shape))])
     finally:
-        engine.call(lambda: engine.resume_memory(["weights"])).result()
-    assert not engine.released and engine.weight_bytes() > 0
-    assert torch.isnan(engine.tensor(name)).all()
+        engine.call(lambda: engine.memory.resume(["weights"])).result()
+    assert not engine.memory.released and engine.runner.weight_bytes() > 0
+    assert torch.isnan(engine.runner.tensor(name)).all()
     ckpt = load_file(str(moe_dirs[0] / "model.safetensors"))
-    engine.call(lambda: engine.load_named_tensors(sorted(ckpt.items()))).result()
+    engine.call(lambda: engine.runner.load(sorted(ckpt.items()))).result()
     assert torch.equal(logits(engine.model), logits(hf_model(moe_dirs[0])))

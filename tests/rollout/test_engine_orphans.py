@@ -89,7 +89,8 @@ def test_a_killed_ray_actor_takes_its_engine_server_with_it(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ray = pytest.importorskip("ray")
-    from titan_rl.actors import EngineServerConfig, PlacedEngine, RolloutEngineGroup
+    from titan_rl.actors.config import EngineServerConfig, PlacedEngine
+    from titan_rl.actors.engine_actor import RolloutEngineGroup
 
     monkeypatch.setenv("RAY_raylet_start_wait_time_s", "240")  # loaded CI machines start slowly
     launch = EngineServerConfig(

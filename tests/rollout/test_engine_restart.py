@@ -19,9 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from titan_rl.actors import EngineRecovery, EngineServerConfig, ServerProcess
-from titan_rl.actors.config import RouterConfig
+from titan_rl.actors.config import EngineServerConfig, RouterConfig
+from titan_rl.actors.recovery import EngineRecovery
 from titan_rl.actors.router import RouterProcess
+from titan_rl.actors.server import ServerProcess
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rollout import RetryPolicy, SGLangClient

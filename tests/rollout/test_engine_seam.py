@@ -1,6 +1,6 @@
-"""The rollout-engine seam: SGLangClient is an EngineClient, method for method, and a backend
-that is not SGLang's HTTP API plugs in as one module (a factory registered by name, or named
-by its path) and is what the factory makes."""
+"""The rollout-engine seam: SGLangClient is an EngineClient, method for method, and a client
+of an engine that does not speak SGLang's HTTP API plugs in as one module (a factory
+registered by name, by an entry point, or named by its path) and is what the factory makes."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from titan_rl.rollout import (
     RetryPolicy,
     SGLangClient,
     SGLangUnavailableError,
-    backends,
+    engine_clients,
     make_engine_client,
     register_engine_client,
 )
-from titan_rl.rollout.backends import engine_client_factory
+from titan_rl.rollout.engine_clients import engine_client_factory
 
 
 def _protocol_methods() -> dict[str, Any]:
@@ -29,7 +29,7 @@ def _protocol_methods() -> dict[str, Any]:
 
 
 class FakeEngineClient(EngineClient):
-    """A backend of another API in its smallest form: it declares the protocol (whose stubs
+    """A client of another API in its smallest form: it declares the protocol (whose stubs
     answer None) and records what it was made with."""
 
     def __init__(self, url: str, options: ClientOptions) -> None:
@@ -42,15 +42,15 @@ class FakeEngineClient(EngineClient):
 
 
 def make_fake(url: str, options: ClientOptions) -> FakeEngineClient:
-    """The factory a backend module exposes (named by path in a test below)."""
+    """The factory a client module exposes (named by path in a test below)."""
     return FakeEngineClient(url, options)
 
 
 @pytest.fixture
 def registry(monkeypatch: pytest.MonkeyPatch) -> dict:
-    """The backends' table, restored after the test."""
-    table = dict(backends._FACTORIES)
-    monkeypatch.setattr(backends, "_FACTORIES", table)
+    """The clients' table, restored after the test."""
+    table = dict(engine_clients._FACTORIES)
+    monkeypatch.setattr(engine_clients, "_FACTORIES", table)
     return table
 
 
@@ -102,7 +102,7 @@ def test_the_signature_check_sees_a_missing_or_required_parameter() -> None:
     assert _accepts(other_default, proto) == ["flush_cache"]
 
 
-def test_sglang_client_is_an_engine_client_and_the_default_backend() -> None:
+def test_sglang_client_is_an_engine_client_and_the_default_client() -> None:
     retry = RetryPolicy(timeout_s=0.0, max_retries=0)
     options = ClientOptions(api_key="k", max_concurrency=3, control_timeout_s=7.0, retry=retry)
     client = make_engine_client("http://127.0.0.1:1/", options)
@@ -120,11 +120,11 @@ def test_an_unreachable_sglang_engine_is_an_unavailable_engine() -> None:
     assert issubclass(SGLangUnavailableError, EngineUnavailableError)
 
 
-def test_a_registered_backend_is_what_the_factory_makes(registry: dict) -> None:
+def test_a_registered_client_is_what_the_factory_makes(registry: dict) -> None:
     register_engine_client("fake", make_fake)
     register_engine_client("fake", make_fake)  # again, the same: nothing changes
     options = ClientOptions(api_key="secret")
-    client = make_engine_client("fake://engine-0", options, backend="fake")
+    client = make_engine_client("fake://engine-0", options, client="fake")
     assert isinstance(client, FakeEngineClient) and isinstance(client, EngineClient)
     assert (client.base_url, client.options) == ("fake://engine-0", options)
     asyncio.run(client.aclose())  # the fake's own method, not the protocol's stub
@@ -133,19 +133,39 @@ def test_a_registered_backend_is_what_the_factory_makes(registry: dict) -> None:
         register_engine_client("fake", lambda url, options: make_fake(url, options))
 
 
-def test_a_backend_module_named_by_path_needs_no_registration(registry: dict) -> None:
+def test_a_client_module_named_by_path_needs_no_registration(registry: dict) -> None:
     path = f"{__name__}:make_fake"
-    client = make_engine_client("fake://engine-1", backend=path)
+    client = make_engine_client("fake://engine-1", client=path)
     assert type(client).__name__ == "FakeEngineClient"
     assert client.base_url == "fake://engine-1" and client.options == ClientOptions()
     assert engine_client_factory(path).__name__ == "make_fake"
 
 
-def test_unknown_or_broken_backends_are_errors_that_say_what_to_give(registry: dict) -> None:
-    with pytest.raises(ValueError, match=r"unknown engine client backend 'vllm'.*'sglang'"):
-        make_engine_client("http://x", backend="vllm")
-    with pytest.raises(ValueError, match="cannot load 'nope'"):
-        make_engine_client("http://x", backend=f"{__name__}:nope")
+def test_unknown_or_broken_clients_are_errors_that_say_what_to_give(registry: dict) -> None:
+    with pytest.raises(ValueError, match=r"engines.client 'vllm' is not a registered .*sglang"):
+        make_engine_client("http://x", client="vllm")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        make_engine_client("http://x", client=f"{__name__}:nope")
     register_engine_client("half", lambda url, options: object())
     with pytest.raises(TypeError, match="without .*generate.*EngineClient"):
-        make_engine_client("http://x", backend="half")
+        make_engine_client("http://x", client="half")
+
+
+def test_an_installed_packages_entry_point_is_a_registered_name(
+    registry: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package registers its client for every process (the driver and the trainers) with
+    an entry point of the group titan_rl.engine_clients, loaded on first use."""
+    from importlib.metadata import EntryPoint
+
+    ep = EntryPoint("installed", f"{__name__}:make_fake", engine_clients.ENTRY_POINT_GROUP)
+    monkeypatch.setattr(
+        engine_clients,
+        "entry_points",
+        lambda group: [ep] if group == engine_clients.ENTRY_POINT_GROUP else [],
+    )
+    assert engine_clients.registered_clients() == ["installed", "sglang"]
+    assert engine_clients.client_problem("installed") is None
+    client = make_engine_client("fake://engine-2", client="installed")
+    assert type(client).__name__ == "FakeEngineClient"
+    assert "installed" in registry  # loaded once

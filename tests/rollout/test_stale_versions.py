@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from titan_core.net import free_port
-from titan_rl.actors import EngineLostError, EngineRecovery
+from titan_rl.actors.recovery import EngineLostError, EngineRecovery
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rollout import RetryPolicy, SGLangClient, SGLangUnavailableError

@@ -39,7 +39,8 @@ def main() -> None:
 
     from tests.sync.trainer_setup import hf_trainer_chunks, perturb
     from titan_core.parallel.initialize import shutdown
-    from titan_rl.actors import EngineServerConfig, ServerProcess
+    from titan_rl.actors.config import EngineServerConfig
+    from titan_rl.actors.server import ServerProcess
     from titan_rl.sync import SyncConfig, WeightSync
 
     chunks = hf_trainer_chunks(a.model_dir)

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(
 OWNER = """
 import base64, io, sys, time, torch
 from multiprocessing.reduction import ForkingPickler
-from titan_rl.sync.transports import _Staging
-buf = _Staging(torch.device("cpu")).get(1 << 20)
+from titan_rl.sync.transports.staging import Staging
+buf = Staging(torch.device("cpu")).get(1 << 20)
 buf.fill_(7)
 pickled = io.BytesIO()
 ForkingPickler(pickled).dump(buf)

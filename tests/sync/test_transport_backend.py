@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from titan_core.accelerator import get_accelerator, reset_accelerator
-from titan_rl.sync.config import SyncConfig
-from titan_rl.sync.transports import DistributedTransport
+from titan_rl.sync.transports.distributed import DistributedSync, DistributedTransport
 
 
 @pytest.fixture
@@ -19,9 +18,10 @@ def cpu_accelerator(monkeypatch):
 
 
 def test_a_backend_the_accelerator_lacks_is_refused_naming_the_key(cpu_accelerator):
-    cfg = SyncConfig(transport="distributed")
-    refused = r"sync\.distributed\.backend 'nccl' is not available on the cpu"
+    refused = r"sync\.distributed\.backend=nccl: not available on the cpu"
     with pytest.raises(ValueError, match=refused):
-        DistributedTransport(cfg, torch.device("cpu"), "nccl")
-    transport = DistributedTransport(cfg, torch.device("cpu"), "gloo")
+        DistributedTransport(DistributedSync(backend="nccl"), torch.device("cpu"), 600.0)
+    transport = DistributedTransport(DistributedSync(backend="gloo"), torch.device("cpu"), 600.0)
     assert transport.backend == "gloo"
+    unset = DistributedTransport(DistributedSync(), torch.device("cpu"), 600.0)
+    assert unset.backend == cpu_accelerator.weight_update_backend_for("cpu")

@@ -144,7 +144,7 @@ def test_engine_and_sync_share_only_the_wire_formats() -> None:
     ]:
         assert reaches(a, b) == [], f"{a} reaches {b}: {reaches(a, b)[:3]}"
     assert graph.has_edge("titan_rl.engine.weights", "titan_rl.wire.payload")
-    assert graph.has_edge("titan_rl.sync.transports", "titan_rl.wire.payload")
+    assert graph.has_edge("titan_rl.sync.transports.tensor", "titan_rl.wire.payload")
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:

@@ -196,32 +196,30 @@ def _require_mooncake() -> None:
         )
 
 
-class TrainConfig(Section):
+#: Megatron's LR decay styles
+LrDecayStyle = Literal["constant", "linear", "cosine", "WSD"]
+
+
+class TrainFields(Section):
+    """What pretraining's ``train`` section and RL's (``titan_rl.config.RLTrainConfig``)
+    share: the micro batch, the optimizer, the LR schedule, precision, FP8, activation offload
+    and recompute, under Megatron's names. The batch, the length, the seed, logging and
+    evaluation are each job's own (pretraining: :class:`TrainConfig`; RL: ``rollout.*``,
+    ``run.*``)."""
+
     micro_batch_size: PositiveInt = 8
-    global_batch_size: PositiveInt = 32
-    train_iters: PositiveInt = 200
     lr: float = Field(1e-3, gt=0)
     min_lr: float = Field(1e-4, ge=0)
     lr_warmup_iters: int = Field(20, ge=0)
     lr_decay_iters: PositiveInt | None = None
-    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "cosine"
+    lr_decay_style: LrDecayStyle = "cosine"
     weight_decay: float = Field(0.01, ge=0)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.95, ge=0, lt=1)
     adam_eps: float = Field(1e-8, gt=0)
     clip_grad: float = Field(1.0, ge=0)
-    seed: int = 1234
     bf16: bool = False
     fp16: bool = False
-    log_interval: PositiveInt = 1
-    #: evaluate every N steps and at the end (eval/loss; eval/accuracy for arithmetic_sft:
-    #: teacher-forced greedy exact match on held-out problems); None: never.
-    eval_interval: PositiveInt | None = None
-    #: global batches per evaluation.
-    eval_iters: PositiveInt = 4
-    #: stop (and save) at the first evaluation whose eval/accuracy reaches this fraction;
-    #: train.train_iters is then the cap. None: run all train.train_iters steps.
-    stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
     #: FP8 training ("e4m3" / "hybrid": e5m2 gradients): on GPU megatron-core with Transformer
     #: Engine; on CPU the blockwise recipe emulated in plain torch (titan_core/fp8).
     fp8: Literal["e4m3", "hybrid"] | None = None
@@ -255,7 +253,7 @@ class TrainConfig(Section):
     ] = Field(default_factory=lambda: ["core_attn"])
 
     @model_validator(mode="after")
-    def _check_recompute(self) -> TrainConfig:
+    def _check_recompute(self) -> TrainFields:
         full = self.recompute_granularity == "full"
         if full and (self.recompute_method is None or self.recompute_num_layers is None):
             raise ValueError(
@@ -275,11 +273,33 @@ class TrainConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _check(self) -> TrainConfig:
+    def _check_precision_and_lr(self) -> TrainFields:
         if self.bf16 and self.fp16:
             raise ValueError("train.bf16 and train.fp16 are exclusive; set one of them")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr ({self.min_lr}) exceeds train.lr ({self.lr})")
+        return self
+
+
+class TrainConfig(TrainFields):
+    """Pretraining's ``train`` section: the shared keys plus the batch, the length, the seed,
+    logging and evaluation of a pretraining run."""
+
+    global_batch_size: PositiveInt = 32
+    train_iters: PositiveInt = 200
+    seed: int = 1234
+    log_interval: PositiveInt = 1
+    #: evaluate every N steps and at the end (eval/loss; eval/accuracy for arithmetic_sft:
+    #: teacher-forced greedy exact match on held-out problems); None: never.
+    eval_interval: PositiveInt | None = None
+    #: global batches per evaluation.
+    eval_iters: PositiveInt = 4
+    #: stop (and save) at the first evaluation whose eval/accuracy reaches this fraction;
+    #: train.train_iters is then the cap. None: run all train.train_iters steps.
+    stop_at_eval_accuracy: float | None = Field(None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
         if self.stop_at_eval_accuracy is not None and not self.eval_interval:
             raise ValueError(
                 "train.stop_at_eval_accuracy needs evaluations: set train.eval_interval (e.g. 25)"

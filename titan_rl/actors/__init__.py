@@ -1,31 +1,12 @@
-"""Ray actors of the RL loop: rollout engines (SGLang or the CPU engine) behind sglang-router."""
+"""Ray actors of the RL loop: rollout engines (SGLang or the CPU engine) behind sglang-router.
 
-from titan_rl.actors.config import (
-    EngineLaunch,
-    EngineServerConfig,
-    PlacedEngine,
-    RolloutEnginesConfig,
-    RouterConfig,
-    resolve_backend,
-)
-from titan_rl.actors.engine_actor import RolloutEngine, RolloutEngineGroup
-from titan_rl.actors.recovery import EngineLostError, EngineRecovery
-from titan_rl.actors.router import RouterProcess, build_router_command
-from titan_rl.actors.server import ServerProcess, build_command
+Import from the modules (nothing is re-exported here: a Ray worker importing the engine
+actor's module would otherwise import every module of the package, the rollout client's
+torch among them, on the job's start-up path):
 
-__all__ = [
-    "EngineLaunch",
-    "EngineLostError",
-    "EngineRecovery",
-    "EngineServerConfig",
-    "PlacedEngine",
-    "RolloutEngine",
-    "RolloutEngineGroup",
-    "RolloutEnginesConfig",
-    "RouterConfig",
-    "RouterProcess",
-    "ServerProcess",
-    "build_command",
-    "build_router_command",
-    "resolve_backend",
-]
+* :mod:`~titan_rl.actors.config`: engine and router sections, launches, placed engines;
+* :mod:`~titan_rl.actors.engine_process`: the actor owning one server process;
+* :mod:`~titan_rl.actors.engine_actor`: the group of engines and the router (driver side);
+* :mod:`~titan_rl.actors.server`, :mod:`~titan_rl.actors.router`: the processes;
+* :mod:`~titan_rl.actors.recovery`: the driver's recovery of lost engines.
+"""

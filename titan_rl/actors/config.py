@@ -17,6 +17,7 @@ from typing import Any, Literal, cast
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from titan_core.config import Section
+from titan_rl.engine_settings import DEFAULTS, Dtype, check_chunked_prefill_size
 
 EngineBackend = Literal["builtin", "sglang"]
 
@@ -50,21 +51,15 @@ def _check(backend: str, tp_size: int, device: str | None) -> None:
         raise ValueError(f"{key}={value}: {why}")
 
 
-def check_chunked_prefill_size(v: int | None) -> int | None:
-    """``--chunked-prefill-size``: a positive number of tokens, -1 (whole prompts) or None
-    (the engine's default)."""
-    if v is not None and v != -1 and v < 1:
-        raise ValueError(f"{v}: give a positive number of tokens, or -1 to prefill whole prompts")
-    return v
-
-
 class EngineServerConfig(Section):
-    """One rollout server as asked for: SGLang on cuda/musa, the built-in engine on cpu."""
+    """One rollout server as asked for: SGLang on cuda/musa, the built-in engine on cpu. The
+    settings the built-in engine shares (``dtype``, ``tp_size``, ``num_threads``, ...) default
+    to its own (titan_rl/engine_settings.py) and reach it as its flags of the same names."""
 
     model_path: str
     #: "auto": the built-in engine when the accelerator is cpu, SGLang otherwise.
     backend: Literal["auto", "sglang", "builtin"] = "auto"
-    tp_size: int = Field(1, ge=1)
+    tp_size: int = Field(DEFAULTS.tp_size, ge=1)
     base_gpu_id: int = Field(0, ge=0)
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
     enable_memory_saver: bool = False
@@ -72,19 +67,19 @@ class EngineServerConfig(Section):
     #: None: pick a free port at start-up (on the node the server runs on).
     port: int | None = Field(None, ge=1, le=65535)
     api_key: str | None = None
-    weight_version: str = "default"
+    weight_version: str = DEFAULTS.weight_version
     skip_tokenizer_init: bool = False
-    context_length: int | None = Field(None, ge=1)
+    context_length: int | None = Field(DEFAULTS.context_length, ge=1)
     #: built-in engine only: torch threads (None: torch's default).
-    num_threads: int | None = Field(None, ge=1)
+    num_threads: int | None = Field(DEFAULTS.num_threads, ge=1)
     #: weights and compute dtype (``--dtype``, both backends); "auto": the checkpoint's.
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Dtype = DEFAULTS.dtype
     #: SGLang's ``--enable-return-routed-experts`` (requests may ask for routed experts;
     #: the built-in engine serves them on MoE models without it).
     enable_return_routed_experts: bool = False
     #: ``--chunked-prefill-size`` (both backends): prompt tokens prefilled per scheduling
     #: step; -1: whole prompts; None: the engine's default.
-    chunked_prefill_size: int | None = None
+    chunked_prefill_size: int | None = DEFAULTS.chunked_prefill_size
     extra_args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     startup_timeout_s: float = Field(900.0, gt=0)

@@ -1,4 +1,4 @@
-"""Ray actors for rollout engines, and the group (engines + router) the RL loop talks to."""
+"""The group of rollout engines (their actors + the router) the RL loop talks to, driver side."""
 
 from __future__ import annotations
 
@@ -7,76 +7,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from titan_rl.actors.config import EngineLaunch, PlacedEngine, RolloutEnginesConfig, RouterConfig
+from titan_rl.actors.engine_process import ray_actor_class
 from titan_rl.actors.recovery import EngineRecovery, Resync
 from titan_rl.actors.router import RouterProcess
-from titan_rl.actors.server import ServerProcess
 
 if TYPE_CHECKING:
     from titan_rl.placement import EnginePlacement
 
 log = logging.getLogger("titan_rl.actors")
-
-
-class RolloutEngine:
-    """One rollout server owned by a Ray actor: started, supervised (restarted if it dies), stopped.
-
-    Plain class so it can be used without Ray; ``RolloutEngineActor`` is its Ray actor.
-    """
-
-    def __init__(self, launch: EngineLaunch, name: str = "engine0") -> None:
-        if launch.bind_node_ip:  # reachable from the driver's node, wherever Ray placed it
-            import ray
-
-            launch = launch.model_copy(update={"host": ray.util.get_node_ip_address()})
-        self.server = ServerProcess(launch, name=name)
-
-    def start(self) -> str:
-        url = self.server.start(wait=True)
-        self.server.watch()
-        return url
-
-    def url(self) -> str:
-        return self.server.url
-
-    def pid(self) -> int | None:
-        return self.server.pid
-
-    def alive(self) -> bool:
-        return self.server.alive()
-
-    def restarts(self) -> int:
-        return self.server.restarts
-
-    def supervision(self) -> dict[str, float]:
-        """The supervisor's counts: restarts (all), hung restarts (killed for not answering
-        its health probe), and the longest the server went unanswered since the last call."""
-        return {
-            "restarts": float(self.server.restarts),
-            "hung_restarts": float(self.server.hung_restarts),
-            "unanswered_s": self.server.silence.take_longest(),
-        }
-
-    def gave_up(self) -> bool:
-        """The server died and its supervisor stopped restarting it."""
-        return self.server.gave_up
-
-    def command(self) -> list[str]:
-        return self.server.command()
-
-    def wait_healthy(self, timeout_s: float | None = None) -> bool:
-        self.server.wait_healthy(timeout_s)
-        return True
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
-def _ray_actor_class() -> Any:
-    import ray
-
-    # The server process does the work; the actor itself needs no CPU reservation (placed
-    # engines take their bundle's share through .options()).
-    return ray.remote(num_cpus=0, max_restarts=0)(RolloutEngine)
 
 
 class RolloutEngineGroup:
@@ -125,7 +63,7 @@ class RolloutEngineGroup:
     def start(self) -> str:
         import ray
 
-        actor_cls = _ray_actor_class()
+        actor_cls = ray_actor_class()
         self.actors = []
         for i, placed in enumerate(self.engines):
             opts = placed.actor_options
@@ -169,12 +107,13 @@ class RolloutEngineGroup:
             "engines/unanswered_s": max(s["unanswered_s"] for s in seen),
         }
 
-    def recovery(self, resync: Resync, timeout_s: float) -> EngineRecovery:
-        """The driver-side recovery of these engines (after :meth:`start`)."""
+    def recovery(self, resync: Resync, timeout_s: float, client: str) -> EngineRecovery:
+        """The driver-side recovery of these engines (after :meth:`start`), talking to them
+        with ``client`` (``engines.client``)."""
         return EngineRecovery(
             self.urls, resync, router=self.router, api_key=self.launch.api_key,
             version=self.launch.weight_version, timeout_s=timeout_s, gave_up=self.gave_up,
-            supervision=self.supervision,
+            supervision=self.supervision, client=client,
         )  # fmt: skip
 
     def stop(self) -> None:

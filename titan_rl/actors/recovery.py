@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
 from titan_rl.rollout import ClientOptions, EngineClient, make_engine_client
+from titan_rl.rollout.engine_clients import DEFAULT_CLIENT
 
 if TYPE_CHECKING:
     from titan_rl.actors.router import RouterProcess
@@ -62,13 +63,16 @@ class EngineRecovery:
         interval_s: float = 1.0,
         gave_up: Callable[[], list[str]] | None = None,
         supervision: Callable[[], dict[str, float]] | None = None,
+        client: str = DEFAULT_CLIENT,
     ) -> None:
+        """``client``: the engine client's name (``engines.client``)."""
         self.urls = list(urls)
         if not self.urls:
             raise ValueError("EngineRecovery needs at least one engine URL")
         self.resync = resync
         self.router = router
         self.api_key = api_key
+        self.client = client
         self.timeout_s = timeout_s
         self.interval_s = interval_s
         self.gave_up = gave_up
@@ -106,7 +110,8 @@ class EngineRecovery:
     # ---- checks ----------------------------------------------------------------------------
     def _client(self, url: str) -> EngineClient:
         if url not in self._clients:
-            self._clients[url] = make_engine_client(url, ClientOptions(api_key=self.api_key))
+            options = ClientOptions(api_key=self.api_key)
+            self._clients[url] = make_engine_client(url, options, client=self.client)
         return self._clients[url]
 
     def _get_lock(self) -> asyncio.Lock:

@@ -25,6 +25,7 @@ from titan_core.net import free_port
 from titan_core.tied_child import popen_tied
 from titan_rl.actors.config import EngineLaunch, EngineServerConfig
 from titan_rl.actors.health import Silence, answers
+from titan_rl.engine_settings import settings_argv
 
 log = logging.getLogger("titan_rl.actors")
 
@@ -33,35 +34,32 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
 def build_command(launch: EngineLaunch, port: int) -> list[str]:
     """The server's command line (SGLang's flag names for both backends): the one place a
-    launch becomes argv."""
+    launch becomes argv. The built-in engine's settings are written from their one list
+    (titan_rl/engine_settings.py), each left out at the engine's own default."""
     common = ["--model-path", launch.model_path, "--host", launch.host, "--port", str(port)]
-    common += ["--weight-version", launch.weight_version]
     if launch.api_key:
         common += ["--api-key", launch.api_key]
-    if launch.context_length:
-        common += ["--context-length", str(launch.context_length)]
     if launch.skip_tokenizer_init:
         common += ["--skip-tokenizer-init"]
-    if launch.dtype != "auto":
-        common += ["--dtype", launch.dtype]
-    if launch.chunked_prefill_size is not None:
-        common += ["--chunked-prefill-size", str(launch.chunked_prefill_size)]
-    if launch.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", *common]
-        cmd += ["--tp-size", str(launch.tp_size), "--base-gpu-id", str(launch.base_gpu_id)]
-        cmd += ["--device", launch.device]
-        if launch.mem_fraction_static is not None:
-            cmd += ["--mem-fraction-static", str(launch.mem_fraction_static)]
-        if launch.enable_memory_saver:
-            cmd += ["--enable-memory-saver"]
-        if launch.enable_return_routed_experts:
-            cmd += ["--enable-return-routed-experts"]
-    else:
+    if launch.backend == "builtin":
         cmd = [sys.executable, "-m", "titan_rl.engine", *common]
-        if launch.tp_size > 1:
-            cmd += ["--tp-size", str(launch.tp_size)]
-        if launch.num_threads:
-            cmd += ["--num-threads", str(launch.num_threads)]
+        return cmd + settings_argv(launch.model_dump()) + list(launch.extra_args)
+    cmd = [sys.executable, "-m", "sglang.launch_server", *common]
+    cmd += ["--weight-version", launch.weight_version]
+    if launch.context_length:
+        cmd += ["--context-length", str(launch.context_length)]
+    if launch.dtype != "auto":
+        cmd += ["--dtype", launch.dtype]
+    if launch.chunked_prefill_size is not None:
+        cmd += ["--chunked-prefill-size", str(launch.chunked_prefill_size)]
+    cmd += ["--tp-size", str(launch.tp_size), "--base-gpu-id", str(launch.base_gpu_id)]
+    cmd += ["--device", launch.device]
+    if launch.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(launch.mem_fraction_static)]
+    if launch.enable_memory_saver:
+        cmd += ["--enable-memory-saver"]
+    if launch.enable_return_routed_experts:
+        cmd += ["--enable-return-routed-experts"]
     return cmd + list(launch.extra_args)
 
 

@@ -79,7 +79,7 @@ class AlgoConfig(Section):
     #: ``rollout.return_routed_experts`` on. slime / miles ``--use-rollout-routing-replay``.
     routing_replay: bool = False
     #: true: the old logprobs (the PPO ratio's denominator) always come from a no-grad forward
-    #: of their own before the update. false: with one update per batch (ppo_steps=1) the old
+    #: of their own before the update. false: with one update per batch (train.ppo_steps=1) the old
     #: policy is the one being trained, so the update's forward gives them (its logprobs,
     #: detached: ratio 1, as TRL's GRPOTrainer and verl do) and that forward is skipped,
     #: unless something needs them before the update (the KL in the reward, MIS, dropout:

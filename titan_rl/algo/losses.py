@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from titan_rl.algo.config import AlgoConfig, KLKind, LossAggMode
+from titan_rl.algo.estimators import ESTIMATORS
 from titan_rl.algo.rollout_correction import LOG_RATIO_CLAMP, rollout_correction
 
 #: the GSPO sequence log-ratio is clamped at this value from above (verl uses 10).
@@ -117,7 +118,7 @@ def policy_loss(
     adv = advantages.detach().to(logprobs.dtype)
 
     log_ratio = logprobs - old
-    if cfg.advantage_estimator == "gspo":
+    if ESTIMATORS[cfg.advantage_estimator].sequence_ratio:  # GSPO
         lengths = mask.sum(dim=1).clamp(min=1.0)
         seq_log_ratio = ((log_ratio.detach() * mask).sum(dim=1) / lengths).clamp(
             max=SEQ_LOG_RATIO_MAX

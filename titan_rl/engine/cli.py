@@ -1,4 +1,9 @@
-"""Command line of the built-in engine; flag names follow ``sglang.launch_server``."""
+"""Command line of the built-in engine; flag names follow ``sglang.launch_server``.
+
+The engine's own settings (``--dtype``, ``--num-threads``, ``--tp-size``, ...) are made from
+their one declaration, :class:`~titan_rl.engine_settings.EngineSettings`; the flags here are
+the HTTP server's and SGLang's accepted ones.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import argparse
 import logging
 import os
 import sys
+
+from titan_rl.engine_settings import add_arguments, from_arguments
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 #: file descriptors kept for the model, logs and the weight-sync transports beyond connections
@@ -28,35 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' (as SGLang)"
     )
     p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and compute (weight updates are cast to it); auto: the checkpoint's",
-    )
-    p.add_argument(
         "--enable-return-routed-experts",
         action="store_true",
         help="accepted for SGLang's command line: the engine always serves return_routed_experts "
         "on MoE models",
-    )
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-prefill-tokens", type=int, default=8192)
-    p.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=None,
-        help="prompt tokens prefilled per scheduler iteration, between the running requests' "
-        "decode steps: a longer prompt is prefilled in chunks, so other requests wait for a "
-        "chunk, not for the whole prompt (as SGLang's flag; -1: whole prompts at once; "
-        "default 2048)",
-    )
-    p.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=16384,
-        help="sequences (a batch's prompts x n) that may wait for a running slot; above it "
-        "/generate answers 503 (as SGLang's flag; default 16384)",
     )
     p.add_argument(
         "--max-connections",
@@ -77,27 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="seconds an idle keep-alive connection is kept between requests (uvicorn's)",
     )
-    p.add_argument("--weight-version", default="default")
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads of the engine, shared by its TP ranks (default: torch's)",
-    )
     p.add_argument("--skip-tokenizer-init", action="store_true")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument("--log-level", default="warning")
-    p.add_argument(
-        "--tp-size",
-        "--tp",
-        type=int,
-        default=1,
-        dest="tp_size",
-        help="tensor parallel ranks: this process and N-1 workers, each holding a shard of the "
-        "model, over gloo on 127.0.0.1",
-    )
+    add_arguments(p)  # the engine's settings
     p.add_argument("--dp-size", "--dp", type=int, default=1, dest="dp_size")
     p.add_argument("--device", default="cpu")
     return p
@@ -107,8 +73,10 @@ def validate(args: argparse.Namespace) -> None:
     """Reject what the CPU engine cannot do, with the fix in the message."""
     from titan_rl.actors.config import engine_problem
 
-    if args.tp_size < 1:
-        raise SystemExit(f"--tp-size {args.tp_size} must be at least 1")
+    try:
+        from_arguments(args)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if (problem := engine_problem("builtin", args.tp_size, None)) is not None:
         raise SystemExit(f"--tp-size {args.tp_size}: {problem[1]}")
     if args.dp_size != 1:
@@ -119,16 +87,9 @@ def validate(args: argparse.Namespace) -> None:
         )
     if not 0 < args.port < 65536:
         raise SystemExit(f"--port {args.port} is not a TCP port")
-    for flag in ("max_queued_requests", "max_connections", "timeout_keep_alive"):
+    for flag in ("max_connections", "timeout_keep_alive"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1")
-    if args.chunked_prefill_size is not None and not (
-        args.chunked_prefill_size == -1 or args.chunked_prefill_size > 0
-    ):
-        raise SystemExit(
-            f"--chunked-prefill-size {args.chunked_prefill_size}: give a positive number of "
-            "tokens, or -1 to prefill whole prompts"
-        )
     if not args.request_read_timeout > 0:
         raise SystemExit("--request-read-timeout must be a positive number of seconds")
     if not os.path.isdir(args.model_path):
@@ -183,18 +144,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         engine = Engine(
-            args.model_path,
-            dtype=args.dtype,
-            context_length=args.context_length,
-            max_running_requests=args.max_running_requests,
-            max_prefill_tokens=args.max_prefill_tokens,
-            num_threads=args.num_threads,
-            weight_version=args.weight_version,
-            random_seed=args.random_seed,
-            load_tokenizer=not args.skip_tokenizer_init,
-            max_queued_requests=args.max_queued_requests,
-            tp_size=args.tp_size,
-            chunked_prefill_size=args.chunked_prefill_size,
+            args.model_path, from_arguments(args), load_tokenizer=not args.skip_tokenizer_init
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None

@@ -14,9 +14,11 @@ KV cache (positions continue from the cache, so the chunks compute what one forw
 whole prompt does); prompts admitted since go before the one whose chunk ended the last
 iteration. So a short request waits for the chunk in flight and its round-robin turn, not for
 another client's whole prompt, and a long prompt still gets a chunk at least every other
-iteration. The model and its cache live in a
-:class:`~titan_rl.engine.runner.ModelRunner`; with ``tp_size`` N > 1 this process is TP rank 0
-and every runner operation is first sent to the N-1 workers (:mod:`titan_rl.engine.tp`).
+iteration. The model and its cache live behind a :class:`~titan_rl.engine.runner.Runner`:
+this process's :class:`~titan_rl.engine.runner.ModelRunner`, or with ``tp_size`` N > 1 the TP
+leader, which runs every operation on the N-1 workers too (:mod:`titan_rl.engine.tp`); the
+engine does not ask which. The weights by name are the runner's (``engine.runner``), the
+memory released for a colocated trainer :class:`~titan_rl.engine.memory.Memory`'s.
 
 Waiting requests are admitted fairly (deficit round-robin, :data:`FAIR_QUANTUM` sequences a
 turn), so a short request waits for a turn per queued request, not behind all their sequences;
@@ -25,6 +27,7 @@ the queue holds at most ``max_queued_requests`` sequences (then :class:`QueueFul
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -42,28 +45,21 @@ from typing import Any
 import torch
 
 from titan_core.models.hf.families import FAMILIES
+from titan_rl.engine.memory import Memory
 from titan_rl.engine.routing import encode_routed_experts
-from titan_rl.engine.runner import NamedTensors, build_runner, load_model
+from titan_rl.engine.runner import Runner
 from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
-from titan_rl.engine.tp_comm import Comm, threads_per_rank
-from titan_rl.engine.tp_shard import check_tp
-from titan_rl.engine.tp_sources import Source
+from titan_rl.engine.tp.comm import threads_per_rank
+from titan_rl.engine.tp.leader import start_runner
+from titan_rl.engine.tp.shard import check_tp
+from titan_rl.engine_settings import DEFAULT_CHUNKED_PREFILL_SIZE, EngineSettings
 
 log = logging.getLogger("titan_rl.engine")
 
-#: SGLang's memory tags (``/release_memory_occupation``); ``cuda_graph`` is a no-op on CPU.
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-#: without these the engine cannot generate
-SERVING_TAGS = frozenset({"weights", "kv_cache"})
 #: sequences a waiting request may have admitted per round-robin turn: a prompt's n copies
 #: (GRPO groups of up to 16) usually start together, and no request waits for more than
 #: this many sequences of each request queued before it
 FAIR_QUANTUM = 16
-#: ``--chunked-prefill-size``: prompt tokens prefilled per scheduler iteration (-1: whole
-#: prompts at once), what a short request or a decode step waits for behind another client's
-#: long prompt. Smaller chunks answer sooner but spread a large batch's admission over more
-#: iterations, each with a decode step (bench/chunked_prefill.py --chunk 512 2048).
-DEFAULT_CHUNKED_PREFILL_SIZE = 2048
 
 
 class QueueFullError(Exception):
@@ -153,29 +149,24 @@ class Engine:
     def __init__(
         self,
         model_path: str,
-        dtype: str = "auto",
-        context_length: int | None = None,
-        max_running_requests: int = 256,
-        max_prefill_tokens: int = 8192,
-        num_threads: int | None = None,
-        weight_version: str = "default",
-        random_seed: int = 0,
+        settings: EngineSettings | None = None,
+        *,
         load_tokenizer: bool = True,
-        max_queued_requests: int | None = None,
-        tp_size: int = 1,
-        chunked_prefill_size: int | None = None,
+        **overrides: Any,
     ) -> None:
+        """``settings`` (default: every one's default) with ``overrides``, settings by name
+        (``Engine(path, num_threads=1)``); ValueError for a model or a setting it cannot run."""
         from transformers import AutoConfig
 
+        s = dataclasses.replace(settings or EngineSettings(), **overrides)
+        self.settings = s
         path = Path(model_path)
         if not path.is_dir():
             raise ValueError(
                 f"--model-path {model_path!r} is not a local directory; the CPU engine never downloads"
             )
-        if tp_size > 1:  # the engine's threads are shared by its TP ranks
-            num_threads = threads_per_rank(num_threads, tp_size)
-        if num_threads:
-            torch.set_num_threads(num_threads)
+        # the engine's threads (default: torch's) are shared by its TP ranks
+        torch.set_num_threads(threads_per_rank(s.num_threads, s.tp_size))
         config = AutoConfig.from_pretrained(str(path))
         # the families the trainer maps to HF names: what a weight sync can send
         if config.model_type not in FAMILIES:
@@ -188,23 +179,10 @@ class Engine:
             t != "full_attention" for t in layer_types
         ):
             raise ValueError("sliding-window attention layers are not supported by the CPU engine")
-        check_tp(config, tp_size)
-        self.tp_size = tp_size
-        #: the TP workers (ranks 1..N-1), started before this rank loads its own shard
-        self.tp = None
-        if tp_size > 1:
-            from titan_rl.engine.tp import TPLeader
-
-            self.tp = TPLeader(str(path), dtype, tp_size, torch.get_num_threads())
-        try:
-            comm = Comm()
-            self.runner = build_runner(load_model(str(path), dtype), 0, tp_size, comm)
-            if self.tp is not None:
-                self.tp.connect(self.runner, comm)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close()
-            raise
+        check_tp(config, s.tp_size)
+        self.tp_size = s.tp_size
+        #: the model: this process's, or rank 0's over the TP workers (started first)
+        self.runner: Runner = start_runner(str(path), s.dtype, s.tp_size, torch.get_num_threads())
         self.model = self.runner.model
         self.config = self.model.config
         #: the experts each token is routed to, recorded for requests that ask for them
@@ -212,19 +190,20 @@ class Engine:
         self.model_path = str(path)
         self.vocab_size = int(self.config.vocab_size)
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 0)
-        self.context_length = int(context_length or limit or 4096)
-        self.max_running = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
-        if chunked_prefill_size is None:
-            chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
+        self.context_length = int(s.context_length or limit or 4096)
+        self.max_running = s.max_running_requests
+        self.max_prefill_tokens = s.max_prefill_tokens
+        chunk = s.chunked_prefill_size
+        if chunk is None:
+            chunk = DEFAULT_CHUNKED_PREFILL_SIZE
         #: prompt tokens prefilled per scheduler iteration; None (given as -1): no limit
-        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.chunked_prefill_size = chunk if chunk > 0 else None
         #: bound of the pending queue in sequences (as SGLang counts a batch's or n's items)
-        self.max_queued = max_queued_requests
-        self.weight_version = weight_version
+        self.max_queued = s.max_queued_requests
+        self.weight_version = s.weight_version
         self.eos_ids = self._eos_ids()
         self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
-        self._default_gen = torch.Generator().manual_seed(random_seed)
+        self._default_gen = torch.Generator().manual_seed(s.random_seed)
 
         self._pending: deque[_Waiting] = deque()  # round-robin order
         self._num_pending = 0
@@ -234,9 +213,7 @@ class Engine:
         self._stop = False
         self.paused = False
         #: memory released with /release_memory_occupation (SGLang's tags), and the counts
-        self.released_tags: set[str] = set()
-        self.memory_releases = 0
-        self.memory_resumes = 0
+        self.memory = Memory(self.runner, self.num_running, self._reset_batch)
         # batch state (engine thread only); its KV cache is the runner's, row for row
         self.active: list[Sequence] = []
         #: prompts admitted and not yet wholly prefilled, in the order they get chunks; the
@@ -281,12 +258,7 @@ class Engine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and (self.tp is None or self.tp.alive)
-
-    @property
-    def released(self) -> bool:
-        """Whether memory that generation needs (weights or KV cache) is released."""
-        return bool(self.released_tags & SERVING_TAGS)
+        return self._thread.is_alive() and self.runner.alive
 
     # ---- API used by the HTTP server (any thread) --------------------------------------
     def make_sequence(
@@ -378,21 +350,7 @@ class Engine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
-        if self.tp is not None:
-            self.tp.close()
-
-    # ---- the runner (engine thread) -------------------------------------------------------
-    def _op(self, name: str, *args: Any, workers: tuple[Any, ...] | None = None) -> Any:
-        """Run a runner operation: on the TP workers first (with ``workers`` as their
-        arguments where given), then here."""
-        if self.tp is None:
-            return getattr(self.runner, name)(*args)
-        self.tp.send(name, *(args if workers is None else workers))
-        try:
-            return getattr(self.runner, name)(*args)
-        except BaseException as e:  # the workers ran it: the ranks no longer agree
-            self.tp.fail(f"rank 0 failed in {name}: {type(e).__name__}: {e}")
-            raise
+        self.runner.close()
 
     # ---- commands (engine thread) -------------------------------------------------------
     def abort(
@@ -436,7 +394,7 @@ class Engine:
             with self._lock:
                 has_pending = bool(self._pending)
             idle = not (has_pending or self.active or self._prefilling or self._carry)
-            if self.paused or self.released or idle:
+            if self.paused or self.memory.released or idle:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue
@@ -473,7 +431,7 @@ class Engine:
         self._prefilling.clear()
         self._carry = None
         try:
-            self._op("reset")
+            self.runner.reset()
         except Exception:  # TP workers gone: nothing left to reset there (alive is False)
             log.exception("resetting the batch failed")
 
@@ -586,7 +544,7 @@ class Engine:
         if unit.cached:
             unit.cached = 0
             try:
-                self._op("keep_prefill", unit.key, [])
+                self.runner.keep_prefill(unit.key, [])
             except Exception:  # TP workers gone: nothing left to drop there (alive is False)
                 log.exception("dropping a partial prefill failed")
 
@@ -606,11 +564,7 @@ class Engine:
         )
         keep = max(1, end - max(start, first))
         record = any(s.return_routed_experts for s in seqs)
-        # the workers' logits are not used: they compute only the last position's
-        logits, routed = self._op(
-            "prefill", unit.key, ids, length, keep, record, rows,
-            workers=(unit.key, ids, length, 1, False, rows),
-        )  # fmt: skip
+        logits, routed = self.runner.prefill(unit.key, ids, length, keep, record, rows)
         self.prefill_chunks += 1
         unit.done, unit.cached, unit.rows = end, len(seqs), list(range(len(seqs)))
         self._take_routed(seqs, routed)
@@ -637,7 +591,7 @@ class Engine:
         keep = [j for j, s in enumerate(seqs) if not self._append(s, tokens[j])]
         # the kept rows of the prefill's cache join the running batch (left-padded)
         unit.cached = 0
-        self._op("keep_prefill", unit.key, [live[j] for j in keep])
+        self.runner.keep_prefill(unit.key, [live[j] for j in keep])
         self.active.extend(seqs[j] for j in keep)
 
     @staticmethod
@@ -671,7 +625,7 @@ class Engine:
         bsz = len(self.active)
         ids = torch.tensor([[s.output_ids[-1]] for s in self.active], dtype=torch.long)
         record = any(s.return_routed_experts for s in self.active)
-        last, routed = self._op("decode", ids, record, workers=(ids, False))
+        last, routed = self.runner.decode(ids, record)
         self._take_routed(self.active, routed)
         self.steps += 1
         tokens = self._next_tokens(last, self.active).tolist()
@@ -681,7 +635,7 @@ class Engine:
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep the running rows ``keep`` (none: the batch is gone; prefills go on)."""
-        self._op("select_rows", keep)
+        self.runner.select_rows(keep)
         self.active = [self.active[i] for i in keep]
 
     # ---- sampling -------------------------------------------------------------------------
@@ -775,113 +729,6 @@ class Engine:
                 s.output_ids, skip_special_tokens=s.params.skip_special_tokens
             )
         return out
-
-    # ---- memory (engine thread, via call()) -----------------------------------------------
-    def release_memory(self, tags: list[str] | None) -> None:
-        """Free the memory under SGLang's ``tags`` (None: all), as torch_memory_saver does.
-
-        ``kv_cache``: the running batch's cache is dropped (the engine must be idle).
-        ``weights``: every parameter's storage is freed; names, shapes and dtypes are kept
-        (``tensor()`` answers meta tensors), so updates are checked as before.
-        """
-        if self.num_running() > 0:
-            raise RequestError(
-                "release_memory_occupation needs an idle engine; pause or wait for requests"
-            )
-        for tag in tags or MEMORY_TAGS:
-            if tag in self.released_tags:
-                continue
-            if tag == "weights":
-                self._release_weights()
-            elif tag == "kv_cache":
-                self._reset_batch()
-            self.released_tags.add(tag)
-        self.memory_releases += 1
-
-    def resume_memory(self, tags: list[str] | None) -> None:
-        """Allocate released memory again. As without torch_memory_saver's backup, resumed
-        weights hold no values (NaN here, so a missing weight update shows): load weights
-        before generating."""
-        for tag in tags or MEMORY_TAGS:
-            if tag not in self.released_tags:
-                continue
-            if tag == "weights":
-                self._resume_weights()
-            self.released_tags.discard(tag)
-        self.memory_resumes += 1
-
-    def weight_bytes(self) -> int:
-        """Bytes the parameters of this process hold now (0 while the weights are released)."""
-        return self.runner.weight_bytes()
-
-    def _release_weights(self) -> None:
-        self._op("release_weights")
-
-    def _resume_weights(self) -> None:
-        self._op("resume_weights")
-
-    # ---- weights (engine thread, via call()) ----------------------------------------------
-    def _check_not_released(self) -> None:
-        if "weights" in self.released_tags:
-            raise RequestError(
-                "the weights are released; call /resume_memory_occupation with tags "
-                "['weights'] before updating them"
-            )
-
-    def load_named_tensors(self, named: NamedTensors) -> int:
-        """Copy tensors into the model by HF parameter name; all names are checked first.
-
-        Names are the HF checkpoint's: per-expert ``mlp.experts.{e}.gate_proj.weight`` etc.
-        land in the slices of the model's fused expert tensors (transformers >= 5); the fused
-        names themselves are accepted too. Tensors are whole; each TP rank keeps its shard.
-        """
-        self._check_not_released()
-        if self.tp is not None:
-            return self.tp.load(named)
-        return self.runner.load(named)
-
-    def update_weights(
-        self, source: Source, own: Callable[[], NamedTensors], new_version: bool = False
-    ) -> int:
-        """Apply a weight update: this rank's full tensors come from ``own`` (called here, on
-        the engine thread), each TP worker's from ``source``; all ranks load it or none."""
-        self._check_not_released()
-        if self.tp is None:
-            return self.runner.load(own())
-        return self.tp.update(source, own, new_version)
-
-    def join_weight_group(self, *args: Any) -> Any:
-        """Every TP rank joins the trainer's weight-update group (engine thread; TP only)."""
-        assert self.tp is not None
-        return self.tp.join_group(*args)
-
-    def destroy_weight_group(self, group_name: str) -> None:
-        """Every TP worker leaves the group ``group_name`` (rank 0's is the caller's)."""
-        if self.tp is not None:
-            self.tp.destroy_group(group_name)
-
-    def param_names(self) -> set[str]:
-        """The names a full HF checkpoint of the model holds (per-expert for MoE experts)."""
-        return self.runner.param_names()
-
-    def knows(self, name: str) -> bool:
-        """Whether a weight update may name ``name`` (a checkpoint name or a fused one)."""
-        return self.runner.knows(name)
-
-    def missing_params(self, names: set[str]) -> set[str]:
-        """Checkpoint names not covered by ``names`` (a fused tensor covers its experts)."""
-        return self.runner.missing_params(names)
-
-    def tensor(self, name: str) -> torch.Tensor | None:
-        """This process's tensor (or expert slice; with TP its shard) under an HF name, or
-        None (a meta tensor while the weights are released)."""
-        return self.runner.tensor(name)
-
-    def full_tensor(self, name: str) -> torch.Tensor | None:
-        """The whole checkpoint tensor under an HF name, at any TP (engine thread)."""
-        if self.tp is None:
-            return self.runner.tensor(name)
-        return self.tp.full_tensor(name)
 
 
 def sequence_result(s: Sequence) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Self, TypeVar
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from titan_rl.engine.core import MEMORY_TAGS
+from titan_rl.engine.memory import MEMORY_TAGS
 from titan_rl.engine.sampling import UNKNOWN_SAMPLING_PARAMETER, SamplingParams
 from titan_rl.engine.validation import EACH, ONE, RequestModel, invalid, on_error, parse
 

@@ -1,28 +1,107 @@
-"""One process's model and KV cache: every operation of the engine that touches the model.
+"""One process's model and KV cache, and the interface the engine runs its model through.
 
-The :class:`~titan_rl.engine.core.Engine` schedules sequences; a runner holds what the
-forwards need (the model, or this TP rank's shard of it, the running batch's KV cache, its
-left-padded attention mask and per-row positions, the partial caches of prompts being
-prefilled chunk by chunk) and the weights by HF checkpoint name. With
-``--tp-size N`` every rank holds one runner and runs the same operations in lockstep
-(:mod:`titan_rl.engine.tp`); at N = 1 the engine calls its runner directly.
+The :class:`~titan_rl.engine.core.Engine` schedules sequences; a :class:`Runner` runs what
+touches the model: the forwards (prefill chunks, decode steps, the running batch's rows), the
+weights by HF checkpoint name (reads, loads, staged updates, weight-update groups) and their
+memory. Two implement it: :class:`ModelRunner`, one process's model (or one TP rank's shard of
+it), its running batch's KV cache, its left-padded attention mask and per-row positions and the
+partial caches of prompts being prefilled chunk by chunk; and, with ``--tp-size N``, the TP
+leader (:class:`~titan_rl.engine.tp.leader.TPRunner`), which runs every operation on the N-1
+worker processes' runners and on rank 0's own, in lockstep. The engine never asks which.
 
 Weight updates always carry full HF tensors: names and shapes are checked against the full
-checkpoint, and each rank copies its shard (:class:`~titan_rl.engine.tp_shard.Split`).
+checkpoint, and each rank copies its shard (:class:`~titan_rl.engine.tp.shard.Split`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from titan_rl.engine.routing import RoutingRecorder
 from titan_rl.engine.sampling import RequestError
-from titan_rl.engine.tp_shard import Reduce, Split, expert_splits, shard_model
-from titan_rl.engine.weights import checkpoint_tensors
+from titan_rl.engine.tp.shard import Reduce, Split, expert_splits, shard_model
+from titan_rl.engine.weights import Source, checkpoint_tensors, join_weight_update_group
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class Runner(Protocol):
+    """What the engine's scheduler runs on (its thread only, except the reads of names).
+
+    ``model`` is this process's (with TP: rank 0's shard); ``routing`` records its routed
+    experts. The forwards and the memory calls return what rank 0 computes; a failure inside
+    one after the TP workers ran it leaves the runner dead (``alive`` false).
+    """
+
+    model: torch.nn.Module
+    routing: RoutingRecorder
+
+    @property
+    def alive(self) -> bool:
+        """False once a TP worker died or the ranks fell out of lockstep."""
+        ...
+
+    # ---- forwards (see ModelRunner's) ------------------------------------------------------
+    def prefill(
+        self,
+        key: int,
+        ids: torch.Tensor,
+        total: int,
+        logits_to_keep: int,
+        record: bool,
+        rows: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def keep_prefill(self, key: int, rows: list[int]) -> None: ...
+
+    def decode(
+        self, ids: torch.Tensor, record: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def select_rows(self, keep: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    # ---- memory ------------------------------------------------------------------------------
+    def release_weights(self) -> None: ...
+
+    def resume_weights(self) -> None: ...
+
+    def weight_bytes(self) -> int: ...
+
+    # ---- weights by HF checkpoint name -------------------------------------------------------
+    def param_names(self) -> set[str]: ...
+
+    def knows(self, name: str) -> bool: ...
+
+    def missing_params(self, names: set[str]) -> set[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor | None: ...
+
+    def full_tensor(self, name: str) -> torch.Tensor | None: ...
+
+    def load(self, named: NamedTensors) -> int: ...
+
+    def update(
+        self, source: Source, own: Callable[[], NamedTensors], new_version: bool = False
+    ) -> int: ...
+
+    def join_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Any: ...
+
+    def destroy_group(self, group_name: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 #: ``--dtype`` -> what ``from_pretrained`` takes
@@ -53,7 +132,8 @@ def _pad_left(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 class ModelRunner:
-    """The model (or a TP rank's shard), the running batch's KV cache, and weight loads.
+    """The model (or a TP rank's shard), the running batch's KV cache, and weight loads: the
+    :class:`Runner` of a single-process engine, and each TP rank's own part.
 
     ``full_shapes``: the checkpoint shape of every name (taken before sharding); ``splits``:
     how each sharded name maps to this rank's part (names absent are whole on every rank).
@@ -78,6 +158,8 @@ class ModelRunner:
         self.full_shapes = full_shapes or {n: t.shape for n, t in self._targets.items()}
         self.splits = {**(splits or {}), **expert_splits(self._fused, size)}
         self._released_shapes: dict[int, torch.Size] = {}
+        #: the weights' storage is freed (release_weights): updates are refused until resumed
+        self.weights_released = False
         #: the caches of prompts being prefilled (chunk by chunk), by the engine's unit key,
         #: until keep_prefill merges them into the running batch
         self.partial: dict[int, Any] = {}
@@ -226,8 +308,17 @@ class ModelRunner:
         split = self.splits.get(name)
         return full if split is None else split.take(full, self.rank, self.size)
 
+    def check_held(self) -> None:
+        """RequestError while the weights are released (an update would land nowhere)."""
+        if self.weights_released:
+            raise RequestError(
+                "the weights are released; call /resume_memory_occupation with tags "
+                "['weights'] before updating them"
+            )
+
     def load(self, named: NamedTensors) -> int:
         """Copy (this rank's shard of) full checkpoint tensors in; checked first."""
+        self.check_held()
         self.check(named)
         for name, t in named:
             self._targets[name].copy_(self.shard(name, t))
@@ -245,6 +336,7 @@ class ModelRunner:
         for p in self.model.parameters():
             self._released_shapes[id(p)] = p.shape
             p.data = torch.empty(0, dtype=p.dtype)
+        self.weights_released = True
 
     def resume_weights(self) -> None:
         """Allocate the weights again, NaN (as without torch_memory_saver's backup)."""
@@ -252,6 +344,44 @@ class ModelRunner:
             p.data = torch.full(self._released_shapes[id(p)], float("nan"), dtype=p.dtype)
         self._released_shapes = {}
         self._targets, self._fused = checkpoint_tensors(self.model)
+        self.weights_released = False
+
+    # ---- the rest of the Runner interface: this process is every rank ----------------------
+    @property
+    def alive(self) -> bool:
+        return True
+
+    def full_tensor(self, name: str) -> torch.Tensor | None:
+        """The whole checkpoint tensor: this process holds it (TP 1)."""
+        return self.tensor(name)
+
+    def update(
+        self, source: Source, own: Callable[[], NamedTensors], new_version: bool = False
+    ) -> int:
+        """Apply an update whose full tensors ``own`` gives (called here, on the engine
+        thread); ``source`` is where TP workers would read theirs (none here)."""
+        self.check_held()
+        return self.load(own())
+
+    def join_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> Any:
+        """Join the trainer's weight-update group as this engine's only rank."""
+        return join_weight_update_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def destroy_group(self, group_name: str) -> None:
+        """Nothing to leave: the group this process joined is its caller's (the server's)."""
+
+    def close(self) -> None:
+        """Nothing to stop: no other process."""
 
 
 def build_runner(model: torch.nn.Module, rank: int, size: int, reduce: Reduce) -> ModelRunner:
@@ -261,4 +391,4 @@ def build_runner(model: torch.nn.Module, rank: int, size: int, reduce: Reduce) -
     return ModelRunner(model, full_shapes, splits, rank, size)
 
 
-__all__ = ["build_runner", "DTYPES", "ModelRunner", "NamedTensors", "load_model"]
+__all__ = ["build_runner", "DTYPES", "ModelRunner", "NamedTensors", "Runner", "load_model"]

@@ -5,13 +5,15 @@
 - distributed: a standalone process group (gloo on CPU) the trainer joins as rank 0; tensors
   arrive by ``broadcast(src=0)`` (:func:`titan_rl.wire.group.receive_broadcast`);
 - checkpoint names -> the model's tensors (fused experts included);
-- every update's tensors checked finite (:func:`check_finite`) before any is applied.
+- every update's tensors checked finite (:func:`check_finite`) before any is applied;
+- where each TP rank gets an update's full tensors (:data:`Source`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -71,6 +73,48 @@ def check_finite(named: Iterable[tuple[str, torch.Tensor]]) -> None:
             f"non-finite weights (NaN or inf) refused, nothing was applied: {which} "
             f"{', '.join(bad[:3])}{more}"
         )
+
+
+# ---- where each TP rank's tensors come from -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FromTensor:
+    """``/update_weights_from_tensor``: ``payloads[k]`` is engine TP rank k's entry."""
+
+    payloads: list[str]
+    load_format: str | None
+
+    def for_rank(self, rank: int) -> FromTensor:
+        return FromTensor([self.payloads[rank]], self.load_format)
+
+
+@dataclass(frozen=True)
+class FromDisk:
+    """``/update_weights_from_disk``: every rank reads the safetensors itself."""
+
+    path: str
+
+    def for_rank(self, rank: int) -> FromDisk:
+        return self
+
+
+@dataclass(frozen=True)
+class FromGroup:
+    """``/update_weights_from_distributed``: every rank receives the trainer's broadcast."""
+
+    group_name: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    load_format: str | None
+
+    def for_rank(self, rank: int) -> FromGroup:
+        return self
+
+
+#: where a weight update's full tensors come from on each TP rank
+Source = FromTensor | FromDisk | FromGroup
 
 
 # ---- disk ---------------------------------------------------------------------------------

@@ -1,7 +1,6 @@
-"""Rollout: the engine-client seam (``engine_api``, ``backends``), the SGLang HTTP client (one
-client for SGLang, sglang-router and the CPU engine), groups, filters."""
+"""Rollout: the engine-client seam (``engine_api``, ``engine_clients``), the SGLang HTTP
+client (one client for SGLang, sglang-router and the CPU engine), groups, filters."""
 
-from titan_rl.rollout.backends import make_engine_client, register_engine_client
 from titan_rl.rollout.client import (
     SGLangClient,
     SGLangError,
@@ -17,6 +16,7 @@ from titan_rl.rollout.engine_api import (
     GenerateOutput,
     RetryPolicy,
 )
+from titan_rl.rollout.engine_clients import make_engine_client, register_engine_client
 from titan_rl.rollout.tensor_payload import serialize_named_tensors
 
 __all__ = [

@@ -29,7 +29,7 @@ from titan_rl.rollout.engine_api import (
 )
 
 RETRY_STATUS = frozenset({500, 502, 503, 504})
-#: the options every backend's factory takes; their defaults are this client's
+#: the options every client's factory takes; their defaults are this client's
 _DEFAULTS = ClientOptions()
 
 
@@ -100,7 +100,7 @@ def _error_message(resp: httpx.Response) -> str:
 
 
 class SGLangClient:
-    """Async client of one SGLang endpoint (a server or a router): the ``sglang`` backend's
+    """Async client of one SGLang endpoint (a server or a router): the ``sglang`` client's
     :class:`~titan_rl.rollout.engine_api.EngineClient`."""
 
     def __init__(

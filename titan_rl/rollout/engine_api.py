@@ -3,9 +3,9 @@
 The GRPO loop, the rollout (``titan_rl.rollout.generate``), the weight sync
 (``titan_rl.sync``), its parity probe and the engine recovery (``titan_rl.actors.recovery``)
 hold an :class:`EngineClient` and call nothing else on it. SGLang's HTTP API (SGLang, its
-router, Titan's built-in engine) is the ``sglang`` backend, ``SGLangClient``; a backend that
-speaks another API is one module with a class that has these methods, made by a factory named
-to ``titan_rl.rollout.backends`` (see there).
+router, Titan's built-in engine) is the ``sglang`` client, ``SGLangClient``; an engine that
+speaks another API is one module with a class that has these methods, made by a factory that
+``engines.client`` names (``titan_rl.rollout.engine_clients``, see there).
 
 A client raises :class:`EngineUnavailableError` when its engine cannot be reached (the sync
 then counts a supervised engine as lost, not failed) and :class:`EngineError` for anything
@@ -62,14 +62,14 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class ClientOptions:
-    """How a client talks to its engine (every backend's factory takes these)."""
+    """How a client talks to its engine (every client's factory takes these)."""
 
     api_key: str | None = None
     #: generation requests in flight at once
     max_concurrency: int = 256
     #: timeout of a control call (weights, pause, memory), seconds
     control_timeout_s: float = 600.0
-    #: None: the backend's default
+    #: None: the client's default
     retry: RetryPolicy | None = None
 
 
@@ -88,7 +88,7 @@ class GenerateOutput:
     #: logprob of each prompt token from ``logprob_start_len`` on (the first is None: it has
     #: no context); None unless asked for
     input_logprobs: list[float | None] | None = None
-    #: the backend's own answer metadata, as it sent it
+    #: the engine's own answer metadata, as it sent it
     meta_info: dict[str, Any] = field(default_factory=dict)
     #: the ``routed_experts_start_len`` the request was sent with (the first token whose
     #: experts ``meta_info["routed_experts"]`` holds)
@@ -181,7 +181,7 @@ class EngineClient(Protocol):
 
     async def resume_memory_occupation(self, tags: list[str] | None = None) -> None: ...
 
-    # ---- weights (one method per transport; a backend without one raises EngineError) ----
+    # ---- weights (one method per transport; a client without one raises EngineError) ----
     async def update_weights_from_disk(
         self, model_path: str, *, flush_cache: bool = True
     ) -> dict[str, Any]: ...

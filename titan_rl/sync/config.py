@@ -1,77 +1,19 @@
 """The ``sync`` section: how trainer weights reach the rollout engines.
 
 ``sync.transport`` picks the transport; its settings are the section of the same name
-(``sync.tensor``, ``sync.disk``, ``sync.distributed``, ``sync.mooncake``), and only that
-section may be set. The keys outside them apply to every transport.
+(``sync.tensor``, ``sync.disk``, ``sync.distributed``, ``sync.mooncake``: one per transport of
+the table in :mod:`titan_rl.sync.transports`, each declared in its transport's module), and
+only that section may be set. The keys outside them apply to every transport.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, create_model, model_validator
 
 from titan_core.config.loader import Section
-
-Transport = Literal["tensor", "distributed", "disk", "mooncake"]
-
-
-class TensorSync(Section):
-    """``sync.tensor``: SGLang's update_weights_from_tensor (colocated engines)."""
-
-    #: what a request carries. flattened_bucket (default, what slime does): each bucket is
-    #: copied into one staging buffer, so an engine opens one shared-memory segment / IPC
-    #: handle per bucket, but the weights are copied twice (trainer, then engine). direct
-    #: (``load_format="direct"``): the trainer's parameter tensors themselves (shared memory
-    #: on CPU, where the first sync moves them, so /dev/shm must hold the model; CUDA/MUSA IPC
-    #: on GPU), one copy (the engine's) instead of two. Temporaries (dtype casts, TP/EP/PP-
-    #: gathered tensors, q/k/v on GPU) are still staged; on CPU q/k/v are written into shared
-    #: memory kept for the run.
-    format: Literal["flattened_bucket", "direct"] = "flattened_bucket"
-
-
-class DiskSync(Section):
-    """``sync.disk``: HF safetensors written atomically, then update_weights_from_disk."""
-
-    #: where versions are written (one folder per version); required with this transport.
-    dir: str | None = None
-    #: keep this many newest versions on disk (>= 1: the restore point).
-    keep: PositiveInt = 2
-
-
-class DistributedSync(Section):
-    """``sync.distributed``: a process group per sender (each pipeline stage's source rank,
-    each EP rank sending its experts) with every engine; one broadcast per bucket."""
-
-    #: the address each sender hosts its group's rendezvous on, as the engines reach it;
-    #: "auto": each sender host's own address (senders on several hosts).
-    master_address: str = "127.0.0.1"
-    #: rendezvous port of sender 0 (sender i: this + i); 0 picks free ones.
-    master_port: int = Field(0, ge=0, lt=65536)
-    #: the process groups' name prefix (a stage's group: ``<group_name>-pp_<stage>``; an EP
-    #: rank sending its experts alone: ``<group_name>-pp_<stage>-ep_<rank>``).
-    group_name: str = "titan"
-    #: process-group backend (None: the accelerator's weight-update backend).
-    backend: str | None = None
-
-
-class MooncakeSync(Section):
-    """``sync.mooncake``: TransferEngine writes into buffers registered by an agent beside
-    each engine (``python -m titan_rl.sync.mooncake_agent``)."""
-
-    #: one agent URL per engine, in the engines' order; required with this transport.
-    agents: list[str] = Field(default_factory=list)
-    #: the TransferEngine's protocol.
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    #: the RDMA device ("": Mooncake's choice).
-    device: str = ""
-    #: this trainer's address as the agents reach it.
-    host: str = "127.0.0.1"
-
-
-TransportSettings = TensorSync | DiskSync | DistributedSync | MooncakeSync
-#: the transports' sections, by ``sync.transport``
-SECTIONS = ("tensor", "disk", "distributed", "mooncake")
+from titan_rl.sync.transports import TRANSPORTS, TransportName, TransportSection
 
 #: the flat keys of earlier versions -> their key now (an error names the new one)
 MOVED_KEYS = {
@@ -89,20 +31,16 @@ MOVED_KEYS = {
 }
 
 
-class SyncConfig(Section):
-    #: tensor: colocated, SGLang's update_weights_from_tensor (shared memory on CPU, CUDA/MUSA
-    #: IPC on GPU); distributed: broadcast from trainer rank 0; disk: HF safetensors written
-    #: atomically, then update_weights_from_disk; mooncake: TransferEngine writes into buffers
-    #: registered by an agent next to each engine. Its settings: the section of its name.
-    transport: Transport = "tensor"
-    #: settings of ``transport: tensor``.
-    tensor: TensorSync = Field(default_factory=TensorSync)
-    #: settings of ``transport: disk``.
-    disk: DiskSync = Field(default_factory=DiskSync)
-    #: settings of ``transport: distributed``.
-    distributed: DistributedSync = Field(default_factory=DistributedSync)
-    #: settings of ``transport: mooncake``.
-    mooncake: MooncakeSync = Field(default_factory=MooncakeSync)
+class SyncKeys(Section):
+    """The keys of ``sync`` that every transport reads; :class:`SyncConfig` adds a section
+    per transport."""
+
+    #: a transport of titan_rl/sync/transports' table. tensor: colocated, SGLang's
+    #: update_weights_from_tensor (shared memory on CPU, CUDA/MUSA IPC on GPU); distributed:
+    #: broadcast from trainer rank 0; disk: HF safetensors written atomically, then
+    #: update_weights_from_disk; mooncake: TransferEngine writes into buffers registered by
+    #: an agent next to each engine. Its settings: the section of its name.
+    transport: TransportName = "tensor"
     #: flattened bucket size (one tensor larger than this travels alone).
     bucket_bytes: PositiveInt = 512 << 20
     #: dtype sent to the engines (None: the trainer's parameter dtype).
@@ -115,8 +53,10 @@ class SyncConfig(Section):
     resume_kv_cache: bool | None = None
     #: pause mode around the update (SGLang's pause_generation modes).
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
-    #: run the logprob parity check every N syncs (0: never).
-    check_every: int = Field(1, ge=0)
+    #: run the logprob parity check on the first sync and every N-th after it (0: never;
+    #: 1: every sync). Each check is a trainer forward and an engine logprob request on the
+    #: probe; the first one catches a wrong mapping before any rollout uses it.
+    check_every: int = Field(10, ge=0)
     #: above this mean |engine - trainer| logprob difference: error (strict) or warning.
     max_logprob_diff: float = Field(1e-2, gt=0)
     #: true: a parity check above ``max_logprob_diff`` stops the run; false: a warning.
@@ -150,7 +90,7 @@ class SyncConfig(Section):
         # a section differing from its defaults: a dump of this config validates again
         stray = [
             name
-            for name in SECTIONS
+            for name in TRANSPORTS
             if name != self.transport and getattr(self, name) != type(getattr(self, name))()
         ]
         if stray:
@@ -159,18 +99,26 @@ class SyncConfig(Section):
                 f"chosen transport's section is read; set sync.transport={stray[0]} or remove "
                 f"sync.{stray[0]}"
             )
-        if self.transport == "disk" and not self.disk.dir:
-            raise ValueError(
-                "sync.transport=disk needs sync.disk.dir: the folder the versions are written to"
-            )
-        if self.transport == "mooncake" and not self.mooncake.agents:
-            raise ValueError(
-                "sync.transport=mooncake needs sync.mooncake.agents: one agent URL per engine "
-                "(start `python -m titan_rl.sync.mooncake_agent --engine-url ...` beside each)"
-            )
+        problem = self.settings.chosen_problem()
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
-    def settings(self) -> TransportSettings:
+    def settings(self) -> TransportSection:
         """The chosen transport's section."""
         return getattr(self, self.transport)
+
+
+#: the sync section: :class:`SyncKeys` and, for each transport of the table, its settings
+#: section ``sync.<name>`` (its transport module's ``settings_class``)
+SyncConfig = create_model(
+    "SyncConfig",
+    __base__=SyncKeys,
+    __module__=__name__,
+    __doc__="The ``sync`` section: the keys every transport reads, and a section per transport.",
+    **{
+        name: (t.settings_class, Field(default_factory=t.settings_class))
+        for name, t in TRANSPORTS.items()
+    },
+)

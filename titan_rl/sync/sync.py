@@ -35,24 +35,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing
 
 from titan_core.models.hf import HFBridge, SendRole
 from titan_rl.rollout import ClientOptions, make_engine_client
 from titan_rl.rollout.engine_api import EngineUnavailableError, RetryPolicy
-from titan_rl.sync import parity, shm_reaper
+from titan_rl.rollout.engine_clients import DEFAULT_CLIENT
+from titan_rl.sync import parity
 from titan_rl.sync.config import SyncConfig
 from titan_rl.sync.control import Report, Sender, TrainerRanks
-from titan_rl.sync.transports import (
-    DiskTransport,
-    DistributedTransport,
-    Engine,
-    Failures,
-    MooncakeTransport,
-    TensorTransport,
-    Transport,
-    each_engine,
-)
+from titan_rl.sync.transports import TRANSPORTS, Engine, Failures, Transport, each_engine
 from titan_rl.wire.bucket import NamedTensors, bucket_nbytes
 
 log = logging.getLogger(__name__)
@@ -96,14 +87,14 @@ class WeightSync:
         api_key: str | None = None,
         device: torch.device | None = None,
         supervised: bool = False,
+        client: str = DEFAULT_CLIENT,
     ) -> None:
+        """``client``: the engine client's name (``engines.client``)."""
         if not engine_urls:
             raise ValueError("WeightSync needs at least one engine URL")
-        if cfg.transport == "mooncake" and len(cfg.mooncake.agents) != len(engine_urls):
-            raise ValueError(
-                f"sync.mooncake.agents has {len(cfg.mooncake.agents)} URLs for "
-                f"{len(engine_urls)} engines; give one agent per engine, in the same order"
-            )
+        problem = cfg.settings.engines_problem(len(engine_urls))
+        if problem:
+            raise ValueError(problem)
         self.cfg = cfg
         self.bridge = HFBridge(hf_config)
         self.ranks = TrainerRanks()
@@ -116,6 +107,7 @@ class WeightSync:
         self.last_report = Report()
         self.supervised = supervised
         self.api_key = api_key
+        self.client = client
         self.engine_urls = list(engine_urls)
         self.device = device or torch.device("cpu")
         self.num_syncs = 0
@@ -126,39 +118,25 @@ class WeightSync:
             cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
         )
         self._transport: Transport | None = None
-        #: tensor transport sending the parameters themselves (sync.tensor.format=direct)
-        self._direct = cfg.transport == "tensor" and cfg.tensor.format == "direct"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
         #: engines restarted since the last sync (coordinator): senders drop their groups
         self._forgotten: set[str] = set()
 
     # ---- set-up ----------------------------------------------------------------------------
-    def _make_transport(self) -> Transport:
-        t = self.cfg.transport
-        if t == "tensor":
-            return TensorTransport(self.cfg, self.device)
-        if t == "disk":
-            return DiskTransport(self.cfg, self.device)
-        if t == "distributed":
-            from titan_core.accelerator import get_accelerator
-
-            # the broadcast carries tensors staged on the trainer's device
-            backend = self.cfg.distributed.backend or get_accelerator().weight_update_backend_for(
-                self.device.type
-            )
-            return DistributedTransport(self.cfg, self.device, backend)
-        return MooncakeTransport(self.cfg, self.device)
-
     def _get_transport(self) -> Transport:
+        """``sync.transport``'s class from the table, built from its section."""
         if self._transport is None:
-            self._transport = self._make_transport()
+            cls = TRANSPORTS[self.cfg.transport]
+            self._transport = cls(self.cfg.settings, self.device, self.cfg.timeout_s)
         return self._transport
 
     def _engines(self) -> list[Engine]:
         """Clients kept for the whole run (connections and TLS set-up once, not per sync)."""
         if self._clients is None:
-            self._clients = _Clients(self.engine_urls, self.api_key, self.cfg.timeout_s)
+            self._clients = _Clients(
+                self.engine_urls, self.api_key, self.cfg.timeout_s, self.client
+            )
         return self._clients.engines
 
     def _run(self, coro: Any) -> Any:
@@ -176,7 +154,7 @@ class WeightSync:
         version = str(step if version is None else version)
         metrics = self._push(chunks, version, None)
         self.num_syncs += 1
-        if self.cfg.check_every and self.num_syncs % self.cfg.check_every == 0:
+        if self.cfg.check_every and (self.num_syncs - 1) % self.cfg.check_every == 0:
             metrics.update(self.check(chunks, version=version))
         return metrics
 
@@ -238,15 +216,7 @@ class WeightSync:
         gathers), then commit and resume (coordinator). Metrics on the coordinator."""
         role, sender = self._setup_roles()
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
-        out = None
-        if self._direct and role.sends:
-            # The parameters themselves are sent: on CPU they must live in shared memory, and
-            # q/k/v are written into shared-memory shadows (one copy, none in staging).
-            tr = self._get_transport()
-            assert isinstance(tr, TensorTransport)
-            tr.param_storages = _share_parameters(chunks)
-            if self.device.type == "cpu":
-                out = tr.shadow
+        out = self._get_transport().before_export(chunks) if role.sends else None
         buckets = self.bridge.export_shard(
             chunks, self.cfg.bucket_bytes, dtype=dtype, views=True, out=out
         )
@@ -552,8 +522,8 @@ class WeightSync:
 
     def close(self) -> None:
         if self._transport is not None:
-            if isinstance(self._transport, DistributedTransport):
-                self._run(self._transport.destroy(self._engines()))
+            engines = self._clients.engines if self._clients is not None else []
+            self._run(self._transport.destroy(engines))
             self._transport.close()
             self._transport = None
         if self._clients is not None:
@@ -564,33 +534,16 @@ class WeightSync:
             self._loop = None
 
 
-def _share_parameters(chunks: list[Any]) -> set[int]:
-    """Make the parameters sendable by reference (tensor transport, direct format); returns
-    their storage addresses.
-
-    On CPU a tensor reaches another process only through shared memory: every parameter's
-    storage is moved there in place (once: later calls find them shared), so each sync sends
-    the live parameters and the engine's copy is the only one. Sharing is by file name, which
-    any local process can open (as the staging buffers are). On an accelerator the parameters
-    travel as IPC handles as they are.
-    """
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    for p in params:
-        if p.device.type == "cpu" and not p.data.is_shared():
-            torch.multiprocessing.set_sharing_strategy("file_system")
-            p.data.share_memory_()
-            shm_reaper.track(p.untyped_storage())  # unlinked even after a kill -9
-    return {p.untyped_storage().data_ptr() for p in params}
-
-
 #: a sync's calls go to one server process or fail (see the module docstring)
 NO_RETRY = RetryPolicy(timeout_s=0.0, max_retries=0)
 
 
 class _Clients:
-    def __init__(self, urls: list[str], api_key: str | None, timeout_s: float) -> None:
+    def __init__(self, urls: list[str], api_key: str | None, timeout_s: float, client: str) -> None:
         options = ClientOptions(api_key=api_key, control_timeout_s=timeout_s, retry=NO_RETRY)
-        self.engines = [Engine(u, make_engine_client(u, options), i) for i, u in enumerate(urls)]
+        self.engines = [
+            Engine(u, make_engine_client(u, options, client=client), i) for i, u in enumerate(urls)
+        ]
 
     async def aclose(self) -> None:
         await asyncio.gather(*(e.client.aclose() for e in self.engines))

@@ -107,6 +107,7 @@ class TrainerWorker:
             api_key=self.cfg.engines.api_key,
             device=self.trainer.accel.device(),
             supervised=True,  # a dead engine is restarted and resynced (actors/recovery.py)
+            client=self.cfg.engines.client,
         )
 
     def sync_weights(self, step: int) -> dict[str, float]:
@@ -175,7 +176,7 @@ class TrainerGroup:
     def __init__(self, cfg: GRPOConfig, placement: Placement) -> None:
         import ray
 
-        n = cfg.trainer_processes
+        n = cfg.trainer.num_processes
         self.placement = placement
         worker_cls = ray.remote(TrainerWorker)
         payload = cfg.model_dump(mode="json", by_alias=True)

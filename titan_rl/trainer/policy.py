@@ -83,12 +83,12 @@ def old_logprobs_forward_reason(cfg: GRPOConfig, tf: Any, rows: RLBatch) -> str 
     update; None: the update's own forward gives them (its logprobs, detached), so that
     forward is skipped.
 
-    With one optimizer step per batch (``ppo_steps`` 1) the policy that the old logprobs
+    With one optimizer step per batch (``train.ppo_steps`` 1) the policy that the old logprobs
     describe is the one being trained, as TRL's GRPOTrainer and verl use (ratio 1; the
     gradient is the same). The separate forward stays where:
 
     - ``algo.recompute_old_logprobs`` asks for it;
-    - ``ppo_steps`` > 1: the later updates' policy is not the old one;
+    - ``train.ppo_steps`` > 1: the later updates' policy is not the old one;
     - the batch brings its own old logprobs (slime / miles, once for several steps): no
       forward either way;
     - ``algo.use_kl_in_reward``: the KL penalty (old - ref) goes into the advantages, which
@@ -108,8 +108,11 @@ def old_logprobs_forward_reason(cfg: GRPOConfig, tf: Any, rows: RLBatch) -> str 
     algo = cfg.algo
     if algo.recompute_old_logprobs:
         return "algo.recompute_old_logprobs=true"
-    if cfg.ppo_steps != 1:
-        return f"ppo_steps={cfg.ppo_steps}: the updates after the first train another policy"
+    if cfg.train.ppo_steps != 1:
+        return (
+            f"train.ppo_steps={cfg.train.ppo_steps}: the updates after the first train another "
+            "policy"
+        )
     if rows.old_logprobs is not None:
         return "the batch brings its own old logprobs"
     if algo.use_kl_in_reward:
@@ -364,7 +367,7 @@ class PolicyTrainer:
     def train(
         self, batch: RLBatch, local: bool = False, step: int | None = None
     ) -> dict[str, float]:
-        """Advantages, then ``ppo_steps`` optimizer steps on the batch; returns metrics.
+        """Advantages, then ``train.ppo_steps`` optimizer steps on the batch; returns metrics.
 
         ``local``: ``batch`` holds this DP rank's rows only (slime and miles split a rollout
         over DP ranks themselves); sequences are then counted over the DP group, and rows
@@ -447,7 +450,7 @@ class PolicyTrainer:
 
         # with reuse, the update's forward counts the routing agreement (as logprobs() does)
         measure = reuse and "routed" in fields
-        for i in range(cfg.ppo_steps):
+        for i in range(cfg.train.ppo_steps):
             with megatron_scope():
                 for chunk in self.model:
                     chunk.zero_grad_buffer()
@@ -457,7 +460,7 @@ class PolicyTrainer:
                 agreement = self.routing.agreement() if measure else None
                 check_loss_and_grads(
                     self.model, [o["loss"] for o in out],
-                    f"{where}, PPO step {i + 1} of {cfg.ppo_steps}", NONFINITE_HINT,
+                    f"{where}, PPO step {i + 1} of {cfg.train.ppo_steps}", NONFINITE_HINT,
                     check_grads=not self.pcfg.train.fp16,  # the fp16 loss scaler skips inf steps
                 )  # fmt: skip
                 ok, grad_norm, _ = self.optimizer.step()

@@ -77,7 +77,7 @@ async def release_memory(
     state: State,
 ) -> ORJSONResponse:
     engine = state.engine
-    await state.on_engine(lambda: engine.release_memory(req.tags))
+    await state.on_engine(lambda: engine.memory.release(req.tags))
     return ORJSONResponse(None)
 
 
@@ -87,5 +87,5 @@ async def resume_memory(
     state: State,
 ) -> ORJSONResponse:
     engine = state.engine
-    await state.on_engine(lambda: engine.resume_memory(req.tags))
+    await state.on_engine(lambda: engine.memory.resume(req.tags))
     return ORJSONResponse(None)

@@ -22,8 +22,8 @@ def check_serving(state: ServerState) -> None:
     engine = state.engine
     if not engine.alive:
         raise HTTPError(503, "the engine's model thread has stopped; restart the server")
-    if engine.released:
-        held = ", ".join(sorted(engine.released_tags))
+    if engine.memory.released:
+        held = ", ".join(sorted(engine.memory.released_tags))
         raise HTTPError(
             503,
             f"the engine's memory is released ({held}); call /resume_memory_occupation "

@@ -27,7 +27,7 @@ async def health_generate(state: State) -> Response:
     engine = state.engine
     if not engine.alive:
         return Response(status_code=503)
-    if engine.paused or engine.released:
+    if engine.paused or engine.memory.released:
         return Response(status_code=200)
     try:
         params = parse_sampling_params({"max_new_tokens": 1, "temperature": 0}, engine.vocab_size)
@@ -78,11 +78,11 @@ async def get_server_info(state: State) -> ORJSONResponse:
             "skip_tokenizer_init": engine.tokenizer is None,
             "num_running_reqs": engine.num_running(),
             "paused": engine.paused,
-            "memory_released": engine.released,
-            "memory_released_tags": sorted(engine.released_tags),
-            "memory_release_count": engine.memory_releases,
-            "memory_resume_count": engine.memory_resumes,
-            "weight_bytes": engine.weight_bytes(),
+            "memory_released": engine.memory.released,
+            "memory_released_tags": sorted(engine.memory.released_tags),
+            "memory_release_count": engine.memory.releases,
+            "memory_resume_count": engine.memory.resumes,
+            "weight_bytes": engine.runner.weight_bytes(),
             "decode_steps": engine.steps,
             "generated_tokens": engine.generated_tokens,
             "version": "titan-builtin",

@@ -31,9 +31,11 @@ from titan_rl.engine.io_struct import (
 )
 from titan_rl.engine.routes.common import HTTPError, ORJSONResponse, body, fail, ok
 from titan_rl.engine.state import State
-from titan_rl.engine.tp_sources import FromDisk, FromGroup, FromTensor
 from titan_rl.engine.validation import RequestError
 from titan_rl.engine.weights import (
+    FromDisk,
+    FromGroup,
+    FromTensor,
     check_finite,
     decode_tensor_payload,
     join_weight_update_group,
@@ -69,19 +71,19 @@ async def update_weights_from_disk(
         tensors = await asyncio.to_thread(load_safetensors_dir, path)
     except RequestError as e:
         return fail(str(e))
-    missing = engine.missing_params(set(tensors))
+    missing = engine.runner.missing_params(set(tensors))
     if getattr(engine.config, "tie_word_embeddings", False):
         missing.discard("lm_head.weight")
     if missing:
         return fail(f"{path!r} lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-    named = [(n, t) for n, t in tensors.items() if engine.knows(n)]
+    named = [(n, t) for n, t in tensors.items() if engine.runner.knows(n)]
     try:
         await asyncio.to_thread(check_finite, named)
     except RequestError as e:
         return fail(f"{path!r}: {e}")
 
     def apply() -> int:
-        n = engine.update_weights(FromDisk(path), lambda: named)
+        n = engine.runner.update(FromDisk(path), lambda: named)
         engine.model_path = path
         _bump(engine, req.weight_version)
         return n
@@ -121,7 +123,7 @@ async def update_weights_from_tensor(
         new_version = req.weight_version is not None
 
         def apply() -> int:
-            n = engine.update_weights(workers, lambda: named, new_version)
+            n = engine.runner.update(workers, lambda: named, new_version)
             _bump(engine, req.weight_version)
             return n
 
@@ -154,7 +156,7 @@ async def init_weights_update_group(
         if state.engine.tp_size == 1:
             pg = await asyncio.to_thread(join_weight_update_group, *args)
         else:  # every TP rank joins, in lockstep with the engine's other commands
-            pg = await state.on_engine(lambda: state.engine.join_weight_group(*args))
+            pg = await state.on_engine(lambda: state.engine.runner.join_group(*args))
     except RequestError as e:
         return fail(str(e))
     except Exception as e:
@@ -189,7 +191,7 @@ async def update_weights_from_distributed(
         return fail(
             f"no weight update group {req.group_name!r}; call /init_weights_update_group first"
         )
-    unknown = [n for n in names if not engine.knows(n)]
+    unknown = [n for n in names if not engine.runner.knows(n)]
     workers = FromGroup(req.group_name, names, dtypes, shapes, req.load_format)
 
     def receive() -> list[tuple[str, torch.Tensor]]:
@@ -202,7 +204,7 @@ async def update_weights_from_distributed(
         return named
 
     def apply() -> int:
-        n = engine.update_weights(workers, receive)
+        n = engine.runner.update(workers, receive)
         _bump(engine, req.weight_version)
         return n
 
@@ -230,7 +232,7 @@ async def destroy_weights_update_group(
 
     destroy(pg)
     if state.engine.tp_size > 1:
-        await state.on_engine(lambda: state.engine.destroy_weight_group(req.group_name))
+        await state.on_engine(lambda: state.engine.runner.destroy_group(req.group_name))
     return ok("Succeeded to destroy custom process group.")
 
 
@@ -255,10 +257,10 @@ async def get_weights_by_name(
     state: State,
 ) -> ORJSONResponse:
     engine = state.engine
-    if not engine.knows(req.name):
+    if not engine.runner.knows(req.name):
         raise HTTPError(400, f"unknown parameter {req.name!r}")
-    if "weights" in engine.released_tags:
+    if "weights" in engine.memory.released_tags:
         raise HTTPError(400, "the weights are released; resume_memory_occupation first")
     # the whole tensor (put together from the TP ranks' shards), read between steps
-    tensor = await state.on_engine(lambda: engine.full_tensor(req.name))
+    tensor = await state.on_engine(lambda: engine.runner.full_tensor(req.name))
     return ORJSONResponse(tensor.flatten()[: req.truncate_size].float().tolist())

@@ -1,6 +1,6 @@
 """A TP worker process of the built-in engine (ranks 1..N-1; the server process is rank 0).
 
-The worker loads the HF model, keeps its shard (:mod:`titan_rl.engine.tp_shard`), joins the
+The worker loads the HF model, keeps its shard (:mod:`titan_rl.engine.tp.shard`), joins the
 engine's gloo group on 127.0.0.1, then runs the commands rank 0 sends over its pipe, in
 order, on its own :class:`~titan_rl.engine.runner.ModelRunner` (its shard and its KV cache):
 the forwards meet rank 0's in their all-reduces. Weight updates are staged (each rank gets
@@ -26,9 +26,11 @@ import torch.distributed as dist
 from titan_rl.engine.mapped import MappedStorages
 from titan_rl.engine.runner import ModelRunner, NamedTensors, build_runner, load_model
 from titan_rl.engine.sampling import RequestError
-from titan_rl.engine.tp_comm import GROUP_TIMEOUT, Comm, WorkerSpec, recv, send, tp_group
-from titan_rl.engine.tp_sources import FromDisk, FromTensor, Source
+from titan_rl.engine.tp.comm import GROUP_TIMEOUT, Comm, WorkerSpec, recv, send, tp_group
 from titan_rl.engine.weights import (
+    FromDisk,
+    FromTensor,
+    Source,
     check_finite,
     decode_tensor_payload,
     join_weight_update_group,
@@ -175,8 +177,8 @@ def _serve(conn: Connection, worker: Worker) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m titan_rl.engine.tp_worker --fd FD --spec JSON`` (started by rank 0)."""
-    p = argparse.ArgumentParser(prog="python -m titan_rl.engine.tp_worker")
+    """``python -m titan_rl.engine.tp.worker --fd FD --spec JSON`` (started by rank 0)."""
+    p = argparse.ArgumentParser(prog="python -m titan_rl.engine.tp.worker")
     p.add_argument("--fd", type=int, required=True, help="rank 0's command socket")
     p.add_argument("--spec", required=True, help="the WorkerSpec as JSON")
     args = p.parse_args(argv)
@@ -188,6 +190,6 @@ __all__ = ["Worker", "main", "worker_main"]
 
 if __name__ == "__main__":
     # run the package's module, not this __main__ copy: commands unpickle to its classes
-    from titan_rl.engine.tp_worker import main as package_main
+    from titan_rl.engine.tp.worker import main as package_main
 
     package_main()

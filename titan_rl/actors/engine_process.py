@@ -1,0 +1,75 @@
+"""The Ray actor that owns one rollout server process: started, supervised, stopped.
+
+Its own module, light on purpose: a Ray worker imports it to become the actor, and the
+worker's start is on the job's start-up path (the server process imports torch and the
+model's code itself; the actor needs neither).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_rl.actors.config import EngineLaunch
+from titan_rl.actors.server import ServerProcess
+
+
+class RolloutEngine:
+    """One rollout server owned by a Ray actor: started, supervised (restarted if it dies), stopped.
+
+    Plain class so it can be used without Ray; ``RolloutEngineActor`` is its Ray actor.
+    """
+
+    def __init__(self, launch: EngineLaunch, name: str = "engine0") -> None:
+        if launch.bind_node_ip:  # reachable from the driver's node, wherever Ray placed it
+            import ray
+
+            launch = launch.model_copy(update={"host": ray.util.get_node_ip_address()})
+        self.server = ServerProcess(launch, name=name)
+
+    def start(self) -> str:
+        url = self.server.start(wait=True)
+        self.server.watch()
+        return url
+
+    def url(self) -> str:
+        return self.server.url
+
+    def pid(self) -> int | None:
+        return self.server.pid
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def restarts(self) -> int:
+        return self.server.restarts
+
+    def supervision(self) -> dict[str, float]:
+        """The supervisor's counts: restarts (all), hung restarts (killed for not answering
+        its health probe), and the longest the server went unanswered since the last call."""
+        return {
+            "restarts": float(self.server.restarts),
+            "hung_restarts": float(self.server.hung_restarts),
+            "unanswered_s": self.server.silence.take_longest(),
+        }
+
+    def gave_up(self) -> bool:
+        """The server died and its supervisor stopped restarting it."""
+        return self.server.gave_up
+
+    def command(self) -> list[str]:
+        return self.server.command()
+
+    def wait_healthy(self, timeout_s: float | None = None) -> bool:
+        self.server.wait_healthy(timeout_s)
+        return True
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def ray_actor_class() -> Any:
+    import ray
+
+    # The server process does the work; the actor itself needs no CPU reservation (placed
+    # engines take their bundle's share through .options()).
+    return ray.remote(num_cpus=0, max_restarts=0)(RolloutEngine)
