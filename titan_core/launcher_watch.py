@@ -12,6 +12,11 @@ exits at once, its descendants killed.
 A parent pid poll rather than ``PR_SET_PDEATHSIG``: the kernel sends that signal when the
 parent *thread* that forked the worker exits, not the parent process, and it only exists on
 Linux.
+
+The other way round, children the worker's main thread forks (megatron's checkpoint writer,
+data workers) do get ``PR_SET_PDEATHSIG`` (SIGKILL, on Linux): a worker killed outright (the
+OOM killer) would otherwise leave them behind holding its sockets open, so that the ranks on
+other nodes never see its connections close and wait in their collectives.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from titan_core.child_process import die_with
 from titan_core.signals import exit_code, kill_descendants
 
 #: how often the parent pid is checked, in seconds
@@ -38,13 +44,39 @@ def launched_by_torchrun(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def watch_launcher(poll_s: float = POLL_S, grace_s: float = GRACE_S) -> threading.Thread:
-    """Start watching this process's parent (see the module doc); returns the daemon thread."""
+    """Start watching this process's parent, and tie what the main thread forks to this
+    process (see the module doc); returns the daemon thread."""
+    tie_forks()
     parent = os.getppid()
     thread = threading.Thread(
         target=_watch, args=(parent, poll_s, grace_s), name="titan-launcher-watch", daemon=True
     )
     thread.start()
     return thread
+
+
+#: what the child about to be forked runs first (None: forked from another thread)
+_IN_CHILD: list[Callable[[], None] | None] = [None]
+_TIED: list[bool] = []
+
+
+def tie_forks() -> None:
+    """Children forked (``os.fork``, multiprocessing's fork) by the main thread of this process
+    from now on get SIGKILL when it dies; once per process, Linux only."""
+    if _TIED or not hasattr(os, "register_at_fork") or die_with(0) is None:
+        return
+    _TIED.append(True)
+
+    def before() -> None:  # in the parent, so the child only calls prctl
+        main = threading.current_thread() is threading.main_thread()
+        # a thread that ends early would take the child along: only the main thread's
+        _IN_CHILD[0] = die_with(os.getpid(), signal.SIGKILL) if main else None
+
+    def in_child() -> None:
+        if _IN_CHILD[0] is not None:
+            _IN_CHILD[0]()
+
+    os.register_at_fork(before=before, after_in_child=in_child)
 
 
 def _watch(parent: int, poll_s: float, grace_s: float) -> None:

@@ -20,6 +20,8 @@ from titan_core.startup import check_startup
 
 EXIT_CONFIG_ERROR = 2
 EXIT_CHECKPOINT_ERROR = 1
+#: another rank's process or node is gone (its connection lost): the job stops, rerun resumes
+EXIT_LOST_PEER = 1
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
@@ -55,7 +57,15 @@ def run(cfg: PretrainConfig) -> int:
     """Train with a validated config; returns the process exit code."""
     warnings.filterwarnings("ignore", module="megatron")
     from titan_core.checkpoint import CheckpointError
+    from titan_core.parallel import peer_watch
     from titan_core.parallel.initialize import initialize, shutdown
+    from titan_core.parallel.nodes import (
+        claim_report,
+        describe_nodes,
+        lost_message,
+        lost_peer,
+        node_count,
+    )
     from titan_core.signals import StopSignals, exit_code
     from titan_core.training.loop import Trainer
 
@@ -64,6 +74,7 @@ def run(cfg: PretrainConfig) -> int:
         signals.install()  # SIGTERM / SIGINT: stop after the current step, saved
         signals.hint = _last_checkpoint(cfg)  # what a second signal's stop at once says
         accel, env, dp = initialize(cfg)
+        peer_watch.set_hint(lambda: _last_checkpoint(cfg))
         if env.rank == 0:
             p = cfg.parallel
             print(
@@ -75,8 +86,11 @@ def run(cfg: PretrainConfig) -> int:
                 f"; run dir {cfg.run.dir}",
                 flush=True,
             )
+            if node_count() > 1:
+                print(f"titan pretrain: {node_count()} nodes: {describe_nodes()}", flush=True)
         trainer = Trainer(cfg, accel, dp)
         trainer.train(signals)
+        peer_watch.leave()  # finished or stopped, saved: the other nodes end too, no alarm
         if trainer.stopped_by is not None:
             return exit_code(trainer.stopped_by)
     except ConfigError as e:
@@ -85,6 +99,17 @@ def run(cfg: PretrainConfig) -> int:
     except CheckpointError as e:  # damaged files to restore, a full disk: no traceback
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CHECKPOINT_ERROR
+    except Exception as e:  # a peer's process or node gone: who, and how to go on
+        lost = lost_peer(e)
+        if lost is None:
+            raise
+        # a node's first rank: its peer watch names the lost node better than a connection's
+        # address does (a connection may come from another address of the node)
+        lost = peer_watch.lost_node(timeout_s=2.0) or lost
+        if claim_report():
+            rank = int(os.environ.get("RANK", "0"))
+            print(lost_message(rank, lost, _last_checkpoint(cfg)), file=sys.stderr, flush=True)
+        return EXIT_LOST_PEER
     finally:
         shutdown()
         signals.restore()

@@ -148,3 +148,33 @@ def test_kill_9_of_torchrun_stops_its_workers_and_frees_the_run_dir(tmp_path):
     assert latest_iteration(run_dir / "checkpoints") == int(saved.group(1))
     with RunLock(run_dir) as lock:  # a restart may take the run dir
         assert lock.held
+
+
+#: a worker that forks a child from its main thread (as megatron's checkpoint writer is),
+#: then waits to be killed
+FORKER = """
+import multiprocessing, time
+from titan_core.launcher_watch import tie_forks
+tie_forks()
+child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+child.start()
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_dies_with_its_killed_worker():
+    """A worker killed outright (the OOM killer) leaves no forked child behind holding its
+    sockets open (peers on other nodes would wait on them in their collectives)."""
+    worker = subprocess.Popen(
+        [sys.executable, "-c", FORKER], stdout=subprocess.PIPE, text=True, cwd=REPO,
+        start_new_session=True,
+    )  # fmt: skip
+    child = int(worker.stdout.readline())
+    try:
+        worker.kill()
+        worker.wait()
+        _wait_gone([child], timeout_s=15)
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)

@@ -167,7 +167,8 @@ class ParallelConfig(Section):
     #: stage before the step fails with an error naming that stage.
     p2p_timeout_s: float = Field(300.0, gt=0)
     #: p2p_transport mooncake: this node's address for Mooncake's TCP listener; None: the
-    #: address the host name resolves to.
+    #: node's address as found at start-up (TITAN_NODE_IP, torchrun's --local-addr, the route
+    #: to the rendezvous host across nodes), else the address the host name resolves to.
     p2p_mooncake_host: str | None = None
 
     @model_validator(mode="after")

@@ -13,8 +13,11 @@ import torch.distributed as dist
 
 from titan_core.accelerator import Accelerator, get_accelerator
 from titan_core.accelerator.megatron_compat import install_megatron_compat
+from titan_core.config import ConfigError
 from titan_core.config.pretrain import PretrainConfig, check_layout
-from titan_core.net import free_port
+from titan_core.net import free_port, node_address
+from titan_core.parallel.nodes import bind_gloo, clear_nodes, gather_nodes, unbind_gloo
+from titan_core.parallel.peer_watch import close_watch, open_watch
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,9 @@ def initialize(cfg: PretrainConfig) -> tuple[Accelerator, DistEnv, int]:
     """Everything before the model: returns (accelerator, env, data-parallel size).
 
     The layout is checked against the world size first, so a bad config fails before any
-    process group starts.
+    process group starts. Each rank binds its gloo groups to its node's address when one is
+    known (``titan_core.parallel.nodes``), and learns every rank's node; across torchrun
+    nodes, each node's first rank watches the others (``titan_core.parallel.peer_watch``).
     """
     from megatron.core import parallel_state
 
@@ -58,10 +63,18 @@ def initialize(cfg: PretrainConfig) -> tuple[Accelerator, DistEnv, int]:
     install_megatron_compat(accel)
     accel.set_device(accel.resolve_visible_device_id(env.local_rank))
     p = cfg.parallel
+    address = None
     if not dist.is_initialized():
         if env.world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
+        else:
+            try:
+                address = node_address()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if address:
+                bind_gloo(address)
         dist.init_process_group(
             backend=accel.communication_backend(),
             rank=env.rank,
@@ -78,6 +91,11 @@ def initialize(cfg: PretrainConfig) -> tuple[Accelerator, DistEnv, int]:
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
         distributed_timeout_minutes=p.distributed_timeout_minutes,
     )
+    across_nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1
+    watch = open_watch(address) if across_nodes and address and env.local_rank == 0 else None
+    places = gather_nodes(address, watch.port if watch else 0, collective=across_nodes)
+    if watch is not None:
+        watch.start(env.rank, places)
     set_random_seed(cfg.train.seed, parallel_state.get_pipeline_model_parallel_rank())
     return accel, env, dp
 
@@ -90,3 +108,6 @@ def shutdown() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    close_watch()
+    unbind_gloo()
+    clear_nodes()

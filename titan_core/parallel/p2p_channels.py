@@ -49,6 +49,10 @@ class P2PTransferError(RuntimeError):
     """A pipeline transfer failed or timed out; the message names the peer stage."""
 
 
+class P2PPeerLost(P2PTransferError):
+    """A write to the peer stage failed: its process is gone or its node unreachable."""
+
+
 def _align(n: int, a: int = 64) -> int:
     return (n + a - 1) // a * a
 
@@ -109,7 +113,7 @@ class Endpoint:
     def write(self, session: str, src: int, dst: int, n: int, what: str) -> None:
         rc = self.te.transfer_sync_write(session, src, dst, n)
         if rc != 0:
-            raise P2PTransferError(f"Mooncake write of {n} bytes failed (rc {rc}): {what}")
+            raise P2PPeerLost(f"Mooncake write of {n} bytes failed (rc {rc}): {what}")
 
     # ---- worker ------------------------------------------------------------------------
     def start(self) -> None:
@@ -391,7 +395,7 @@ class SendChannel:
                 self._stalled(since, f"take message {seq}")
                 return did
             if status != 1:
-                raise P2PTransferError(
+                raise P2PPeerLost(
                     f"Mooncake write of message {seq} to {self.peer_name} failed (status "
                     f"{status}); the peer stage is unreachable or dead"
                 )

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from titan_core.parallel.nodes import this_node_address
 from titan_core.parallel.p2p_channels import Endpoint, RecvChannel, SendChannel
 
 #: ring and staging slots per channel: messages a sender may have ahead of its receiver
@@ -187,9 +188,14 @@ def message_bytes(cfg: Any, dtype: torch.dtype) -> int:
 
 
 def default_host() -> str:
-    """This node's address for Mooncake's TCP listener (loopback when it has none)."""
+    """This node's address for Mooncake's TCP listener: the one found at start-up
+    (``TITAN_NODE_IP``, torchrun's ``--local-addr``, the route to the rendezvous host: see
+    ``titan_core.parallel.nodes``), else the host name's, else loopback."""
     import socket
 
+    found = this_node_address()
+    if found:
+        return found
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

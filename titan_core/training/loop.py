@@ -19,6 +19,7 @@ from titan_core.checkpoint.dist import RELEASE, iteration_dir, iteration_name, u
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.data.gpt import build_gpt_datasets, microbatches
 from titan_core.data.tokenizer import build_tokenizer
+from titan_core.parallel.nodes import describe_rank
 from titan_core.parallel.p2p_mooncake import p2p_schedule_kwargs
 from titan_core.signals import StopSignals, signal_name
 from titan_core.training.annotate import MicrobatchAnnotator
@@ -436,9 +437,17 @@ class Trainer:
             return None
         signum = signals.requested or 0
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([signum], dtype=torch.int64, device=_collective_device())
+            # one MAX all-reduce of signum * world + (world - 1 - rank): the highest signal
+            # number and, of the ranks that got it, the lowest (named if it is not rank 0)
+            world = dist.get_world_size()
+            mine = signum * world + (world - 1 - self.rank) if signum else 0
+            flag = torch.tensor([mine], dtype=torch.int64, device=_collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signum = int(flag.item())
+            agreed = int(flag.item())
+            signum = agreed // world
+            by = world - 1 - agreed % world
+            if signum and by != 0:
+                self._say(f"{signal_name(signum)} came to {describe_rank(by)}: every rank stops")
         return signum or None
 
     def _stop_on_signal(self, signum: int, new_step: bool, saved: bool = False) -> None:
