@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
+from titan_rl.rollout import ClientOptions, make_engine_client
 from titan_rl.step_timer import StepTimer
 
 #: runs a coroutine to its end on the driver's event loop (``aio.run_until_complete``)
@@ -26,8 +27,6 @@ class EngineMemory:
     called on every engine directly (a router does not forward these)."""
 
     def __init__(self, urls: list[str], api_key: str | None, client: str) -> None:
-        from titan_rl.rollout import ClientOptions, make_engine_client
-
         options = ClientOptions(api_key=api_key)
         self.clients = [make_engine_client(u, options, client=client) for u in urls]
 

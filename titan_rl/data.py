@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import orjson
 
 from titan_core.data.arithmetic import generate_problems
 from titan_rl.config import RLDataConfig
@@ -78,8 +79,6 @@ def _read_rows(path: str, kind: str, key: str) -> list[dict[str, Any]]:
                 f"{key} {path} is not a readable Parquet file ({type(e).__name__}: {e}); "
                 "check data.type"
             ) from None
-    import orjson
-
     rows = []
     for lineno, line in enumerate(p.read_bytes().splitlines(), 1):
         if not line.strip():

@@ -2,8 +2,9 @@
 
     rollout -> (colocated: engines release) train -> (resume) sync -> eval -> record -> save
 
-The driver holds what lives across steps: the prefetched rollout (async), the step timer,
-the profiled steps, and the progress a stop signal saves.
+The driver runs over the job's parts (titan_rl/job.py) and holds what lives across steps:
+the prefetched rollout (async), the step timer, the profiled steps, and the progress a stop
+signal saves.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from titan_core.training.metrics import read_metrics
 from titan_rl.config import GRPOConfig
+from titan_rl.plot import plot_rewards
 from titan_rl.step_log import status_line, step_record
 from titan_rl.step_timer import StartupTimer, StepTimer
+from titan_rl.stopping import stopped_line, until_stopped
+from titan_rl.trainer.batch import pack_samples
 
 if TYPE_CHECKING:
-    from titan_core.signals import StopSignals
-    from titan_core.training.metrics import MetricsWriter
-    from titan_rl.actors.engine_actor import RolloutEngineGroup
-    from titan_rl.colocation import Colocation
-    from titan_rl.rollout.engine_api import EngineClient
+    from titan_rl.job import Job
     from titan_rl.rollout.generate import RolloutResult
-    from titan_rl.rollouts import Rollouts
-    from titan_rl.trainer.group import TrainerGroup
 
 
 @dataclass
@@ -42,34 +41,28 @@ class Progress:
 
 
 class Driver:
-    """A GRPO run's steps over a trainer group and the engines (through ``client``)."""
+    """A GRPO run's steps over the job's trainer group and engines (through its client)."""
 
-    def __init__(
-        self,
-        cfg: GRPOConfig,
-        rollouts: Rollouts,
-        trainers: TrainerGroup,
-        engines: RolloutEngineGroup,
-        client: EngineClient,
-        colocation: Colocation,
-        writer: MetricsWriter,
-        aio: asyncio.AbstractEventLoop,
-        stop: StopSignals,
-        resumed_at: int | None,
-    ) -> None:
-        if rollouts.recovery is None:
-            raise RuntimeError("Rollouts.recovery is set once the engines run")
+    def __init__(self, cfg: GRPOConfig, job: Job) -> None:
+        missing = [
+            name
+            for name in ("aio", "trainers", "engines", "writer", "recovery", "colocation")
+            if getattr(job, name) is None
+        ]
+        if missing:
+            raise RuntimeError(f"the job has no {', '.join(missing)} yet: Job.start builds them")
         self.cfg = cfg
-        self.rollouts = rollouts
-        self.recovery = rollouts.recovery
-        self.trainers = trainers
-        self.engines = engines
-        self.client = client
-        self.colocation = colocation
-        self.writer = writer
-        self.aio = aio
-        self.stop = stop
+        rollouts = self.rollouts = job.rollouts
+        self.recovery = job.recovery
+        self.trainers = job.trainers
+        self.engines = job.engines
+        self.client = job.client
+        self.colocation = job.colocation
+        self.writer = job.writer
+        self.aio: asyncio.AbstractEventLoop = job.aio
+        self.stop = job.stop
         self.timer = StepTimer()
+        resumed_at = job.resumed_at
         start = resumed_at or 0
         self.progress = Progress(
             start, start, rollouts.sampler.state(), rollouts.carried.state(), resumed_at
@@ -90,8 +83,6 @@ class Driver:
         return self.stop.requested is not None
 
     def _until_stopped(self, coro: Coroutine[Any, Any, Any]) -> Any:
-        from titan_rl.stopping import until_stopped
-
         return until_stopped(self.aio, coro, self.stop)
 
     def _take_first(self) -> dict[str, Any]:
@@ -117,7 +108,7 @@ class Driver:
         with ``run.eval_interval`` null)."""
         if self.progress.start != 0 or self.cfg.run.eval_interval is None:
             return
-        acc = self._until_stopped(self.rollouts.evaluate(self.client))
+        acc = self._until_stopped(self.rollouts.evaluate(self.client, self.recovery))
         if acc is not None:
             self.writer.write({"step": 0, "eval/accuracy": acc, **self._take_first()})
             print(f"step    0 | eval acc {acc:.3f} (before RL)", flush=True)
@@ -135,15 +126,15 @@ class Driver:
             if result is None:
                 mark = step in self._profiled and not self.cfg.rollout.async_rollout
                 with self._marked("rollout", mark):
-                    result = self._until_stopped(self.rollouts.rollout(self.client, step))
+                    result = self._until_stopped(
+                        self.rollouts.rollout(self.client, step, self.recovery)
+                    )
         return None if self.stopped else result
 
     def train(self, step: int, result: RolloutResult) -> dict[str, float]:
         """The policy update on the step's samples. Async rollout: the next step's rollout
         runs meanwhile on the current weights (one step off-policy; importance ratios
         against the rollout logprobs correct for it)."""
-        from titan_rl.trainer.batch import pack_samples
-
         with self.timer.phase("train"):
             batch = pack_samples(result.samples, self.rollouts.tok.eod)
             sampler = self.rollouts.sampler
@@ -152,7 +143,9 @@ class Driver:
                 self.recovery.on_train_queued(str(step))  # what a resync would now send
                 # a resume redraws what the prefetch draws, and continues what it continues
                 after, carried = sampler.state(), self.rollouts.carried.state()
-                self._pending = self._until_stopped(self.rollouts.rollout(self.client, step + 1))
+                self._pending = self._until_stopped(
+                    self.rollouts.rollout(self.client, step + 1, self.recovery)
+                )
                 metrics = update.result()
             else:
                 metrics = self.trainers.train(batch, step)
@@ -175,7 +168,7 @@ class Driver:
         with self.timer.phase("eval"):
             if every is None or (step % every and step != self.cfg.run.num_steps):
                 return {}
-            acc = self._until_stopped(self.rollouts.evaluate(self.client))
+            acc = self._until_stopped(self.rollouts.evaluate(self.client, self.recovery))
         return {} if acc is None else {"eval/accuracy": acc}
 
     def record(self, step: int, result: RolloutResult, measured: dict[str, float]) -> None:
@@ -207,10 +200,6 @@ class Driver:
     def finish(self) -> int:
         """0 once every step ran (the reward plot written); after a stop signal, 128 + signum,
         the last completed step saved (``run.save_on_signal``) and the line saying so."""
-        from titan_core.training.metrics import read_metrics
-        from titan_rl.plot import plot_rewards
-        from titan_rl.stopping import stopped_line
-
         p, run = self.progress, self.cfg.run
         run_dir = self.rollouts.run_dir
         if self.stop.requested is not None and p.completed < run.num_steps:

@@ -10,9 +10,6 @@ GRPO on Titan's training base: Megatron trainer actors and SGLang-API rollout en
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -32,7 +29,7 @@ EXIT_CONFIG_ERROR = 2
 def ensure_base_checkpoint(cfg: GRPOConfig) -> None:
     """Pretrain the base policy with titan_core.pretrain if it is not there yet, or train it
     on if its held-out accuracy is below its pretraining config's target."""
-    from titan_rl.base_policy import ensure_base_policy
+    from titan_rl.base_policy import ensure_base_policy  # the job's, not the CLI's import
 
     ensure_base_policy(cfg.policy)
 
@@ -71,126 +68,32 @@ def run(cfg: GRPOConfig) -> int:
     with StopSignals() as stop:
         try:
             return _run(cfg, stop)
-        except Stopped as e:  # the base policy's pretraining, which the signal stopped
+        except Stopped as e:  # before RL started (the base policy's pretraining, Ray's start)
             print(e.message, flush=True)
             return e.exit_code
 
 
 def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
-    import ray
-
-    from titan_core.signals import exit_code, ignoring
-    from titan_core.training.metrics import MetricsWriter
-    from titan_rl.actors.engine_actor import RolloutEngineGroup
-    from titan_rl.colocation import Colocation, colocation_for
+    # Ray, the actors and the job's parts: imported by the job, not by the CLI's parsing
     from titan_rl.driver import Driver
-    from titan_rl.placement import init_ray, machine_plan, ray_init_kwargs, reserve
-    from titan_rl.rollout import ClientOptions, RetryPolicy, make_engine_client
-    from titan_rl.rollouts import Rollouts
-    from titan_rl.start_weights import clear_start_dir, link_policy, serves_policy_files
-    from titan_rl.step_log import open_metrics
+    from titan_rl.job import Job
     from titan_rl.step_timer import StartupTimer
-    from titan_rl.trainer.group import TrainerGroup
 
     startup = StartupTimer()
     cfg = resolve_config(cfg)
-    # a dataset error or an impossible layout stops the run before any pretraining
-    loop = Rollouts(cfg)
-    plan = machine_plan(cfg)
-    ensure_base_checkpoint(cfg)
-    if stop.requested is not None:
-        print(f"stopped by {stop.name} before RL started; rerun the same command", flush=True)
-        return stop.exit_code
-    startup.ended("prepare")  # the config, the prompts, the plan, the base policy
-    owns_ray = not ray.is_initialized()
-    if owns_ray:
-        try:
-            with ignoring(signal.SIGINT):  # Ray's processes leave Ctrl-C to this job
-                init_ray(**ray_init_kwargs(cfg.ray, plan))
-        except SystemExit:  # SIGTERM while Ray started: its handler, not ours, got it
-            ray.shutdown()
-            print("stopped by SIGTERM while Ray started; rerun the same command", flush=True)
-            return exit_code(signal.SIGTERM)
-    stop.install()  # ray.init replaced our SIGTERM handler with its own
-    startup.ended("ray")
-    placement = reserve(plan)
-    trainers = TrainerGroup(cfg, placement)  # builds in its actors; threads: plan.threads
-    engines = None
-    writer: MetricsWriter | None = None
-    colocation: Colocation | None = None
-    aio = asyncio.new_event_loop()
+    job = Job.start(cfg, stop, startup)  # prepare, ray, engines / trainers side by side
     code = 0
-    e = cfg.engines
     try:
-        # a fresh run from an HF policy: the engines serve its files while the trainers build
-        # (colocated on devices, the trainer takes its memory first, as SGLang sizes by it)
-        side_by_side = not e.colocate or plan.accelerator == "cpu"
-        if side_by_side and serves_policy_files(cfg):
-            link_policy(cfg, loop.tok)
-            engines = RolloutEngineGroup(placement.engine_launches("0"), plan.router)
-            url = engines.start()
-            startup.ended("engines")
-        trainers.ready()
-        startup.ended("trainers")
-        resumed = trainers.resume()
-        start = 0
-        if resumed:
-            start = int(resumed["step"])
-            loop.sampler.restore(resumed["sampler"])
-            loop.carried.restore(resumed.get("partial", []))
-            print(f"resumed from {loop.run_dir / 'checkpoints'} at step {start}", flush=True)
-        writer = open_metrics(loop.run_dir / "metrics.jsonl", start if resumed else -1)
-        if engines is None:
-            # the engines as the plan resolved them, serving the trainer's weights of `start`
-            trainers.save_hf(str(clear_start_dir(cfg)))
-            engines = RolloutEngineGroup(placement.engine_launches(str(start)), plan.router)
-            url = engines.start()
-            startup.ended("engines")
-        trainers.connect_engines(engines.urls)
-        loop.recovery = engines.recovery(trainers.resync_engines, e.retry_timeout_s, e.client)
-        client = make_engine_client(url, ClientOptions(
-            api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency,
-            retry=RetryPolicy(timeout_s=e.retry_timeout_s),
-        ), client=e.client)  # fmt: skip
-        colocation = colocation_for(
-            e.colocate, engines.urls, e.api_key, cfg.sync.resume_kv_cache,
-            aio.run_until_complete, loop.recovery.wait_all_up, e.client,
-        )  # fmt: skip
-        driver = Driver(
-            cfg, loop, trainers, engines, client, colocation, writer, aio, stop,
-            resumed_at=start if resumed else None,
-        )  # fmt: skip
+        driver = Driver(cfg, job)
         startup.ended("connect")
         driver.evaluate_base()
         startup.ended("eval")
         driver.startup(startup)
         _train(driver)
         code = driver.finish()
-        aio.run_until_complete(client.aclose())
     finally:
-        with contextlib.ExitStack() as cleanup:  # every step runs, even after one raised
-            if owns_ray:
-                cleanup.callback(ray.shutdown)  # the actors' processes, and their children
-            cleanup.callback(aio.close)
-            cleanup.callback(trainers.shutdown)
-            cleanup.callback(loop.reward.close)
-            cleanup.callback(_close_tool_workers)
-            if engines is not None:
-                cleanup.callback(engines.stop)
-            if writer is not None:
-                cleanup.callback(writer.close)
-            if loop.recovery is not None:
-                cleanup.callback(lambda: aio.run_until_complete(loop.recovery.aclose()))
-            if colocation is not None:
-                cleanup.callback(colocation.close)
+        job.close()
     return code
-
-
-def _close_tool_workers() -> None:
-    """Stop the worker processes of tools with isolation="process" (rollout hooks' tools)."""
-    from titan_rl.rollout.tools import close_tool_workers
-
-    close_tool_workers()
 
 
 def _train(driver: Driver) -> None:

@@ -16,6 +16,7 @@ from titan_core.checkpoint.megatron_lm import read_common
 from titan_core.config import ConfigError
 from titan_rl.algo.estimators import GROUP_ESTIMATORS
 from titan_rl.config import GRPOConfig
+from titan_rl.placement import machine_plan
 from titan_rl.rewards.config import RewardConfig
 from titan_rl.rollout.engine_clients import engine_client_factory
 
@@ -112,8 +113,6 @@ def check_engine_client(cfg: GRPOConfig) -> None:
 def check_config(cfg: GRPOConfig) -> None:
     """Everything of ``cfg`` beyond its own validation: the base checkpoint, the run folder,
     the reward function, the engine client, the placement (what ``--dry-run`` prints)."""
-    from titan_rl.placement import machine_plan
-
     check_base_matches(cfg)
     check_base_dir(cfg)
     check_reward(cfg.reward)
@@ -126,8 +125,6 @@ def check_machine(cfg: GRPOConfig) -> None:
     """What this machine must have to run ``cfg``: engines it can launch and what the weight
     sync's transport needs (``machine_problem`` of its section: the distributed transport's
     process-group backend, the mooncake transport's package)."""
-    from titan_rl.placement import machine_plan
-
     machine_plan(cfg, launching=True)
     problem = cfg.sync.settings.machine_problem()
     if problem:

@@ -6,13 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from titan_core.data.tokenizer import build_tokenizer
 from titan_rl.config import GRPOConfig
+from titan_rl.data import PromptSampler, PromptSet, load_prompts, stop_token_ids
+from titan_rl.rollout.generate import RolloutResult, VersionCheck, generate_groups
+from titan_rl.rollout.generate import evaluate as evaluate_prompts
+from titan_rl.rollout.partial import PartialBuffer
+from titan_rl.rollout.rewarding import SampleRewarder
 
 if TYPE_CHECKING:
     from titan_rl.actors.recovery import EngineRecovery
-    from titan_rl.data import PromptSet
     from titan_rl.rollout.engine_api import EngineClient
-    from titan_rl.rollout.generate import RolloutResult, VersionCheck
 
 
 def _skipped_note(ps: PromptSet, key: str, cfg: GRPOConfig) -> None:
@@ -31,11 +35,6 @@ class Rollouts:
     """
 
     def __init__(self, cfg: GRPOConfig) -> None:
-        from titan_core.data.tokenizer import build_tokenizer
-        from titan_rl.data import PromptSampler, load_prompts, stop_token_ids
-        from titan_rl.rollout.partial import PartialBuffer
-        from titan_rl.rollout.rewarding import SampleRewarder
-
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -56,8 +55,6 @@ class Rollouts:
         self.stop_ids = stop_token_ids(self.tok, train.stop, f"data.type={cfg.data.type}")
         #: scores samples in place off the event loop, each call under reward.timeout_s
         self.reward = SampleRewarder(cfg.reward)
-        #: gives restarted engines the current weights (set once the engines run)
-        self.recovery: EngineRecovery | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -65,24 +62,25 @@ class Rollouts:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode([i for i in ids if i not in self.stop_ids])
 
-    def versions(self) -> VersionCheck | None:
+    def versions(self, recovery: EngineRecovery | None) -> VersionCheck | None:
         """The weight versions a rollout accepts now (see titan_rl/actors/recovery.py)."""
-        from titan_rl.rollout.generate import VersionCheck
-
-        rec = self.recovery
-        if rec is None:
+        if recovery is None:
             return None
-        return VersionCheck(rec.accepted, self.cfg.rollout.on_stale_version, rec.ensure_serving)
+        return VersionCheck(
+            recovery.accepted, self.cfg.rollout.on_stale_version, recovery.ensure_serving
+        )
 
-    async def _watched(self, work: Any) -> Any:
-        return await (work if self.recovery is None else self.recovery.guard(work))
+    @staticmethod
+    async def _watched(work: Any, recovery: EngineRecovery | None) -> Any:
+        return await (work if recovery is None else recovery.guard(work))
 
-    async def rollout(self, client: EngineClient, step: int) -> RolloutResult:
+    async def rollout(
+        self, client: EngineClient, step: int, recovery: EngineRecovery | None
+    ) -> RolloutResult:
         """``rollout.prompts_per_step`` groups that passed the dynamic filter (with
         rollout.partial, the groups the last rollout left go first, and new prompts fill up
-        to ``prompts_per_step x over_sample_factor`` in flight)."""
-        from titan_rl.rollout.generate import generate_groups
-
+        to ``prompts_per_step x over_sample_factor`` in flight). ``recovery``: the engines'
+        (it gives restarted engines the current weights; None: no engine is restarted)."""
         r = self.cfg.rollout
         carried = self.carried.take()
         n_prompts = max(0, int(r.prompts_per_step * r.over_sample_factor) - len(carried))
@@ -90,8 +88,9 @@ class Rollouts:
         result = await self._watched(generate_groups(
             client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
             want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
-            versions=self.versions(), num_layers=self.cfg.model.num_layers, carried=carried,
-        ))  # fmt: skip
+            versions=self.versions(recovery), num_layers=self.cfg.model.num_layers,
+            carried=carried,
+        ), recovery)  # fmt: skip
         self.carried.put(result.carry)
         self.reward.check_timeouts(f"step {step}")  # most timed out: warned, or stopped
         if len(result.samples) < r.prompts_per_step * r.n_samples_per_prompt:
@@ -101,14 +100,12 @@ class Rollouts:
             )
         return result
 
-    async def evaluate(self, client: EngineClient) -> float:
+    async def evaluate(self, client: EngineClient, recovery: EngineRecovery | None) -> float:
         """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set)."""
-        from titan_rl.rollout.generate import evaluate
-
-        acc = await self._watched(evaluate(
+        acc = await self._watched(evaluate_prompts(
             client, self.eval_prompts, self.encode, self.decode,
-            self.cfg.rollout.max_response_len, self.stop_ids, self.reward, self.versions(),
-            cfg=self.cfg.rollout,
-        ))  # fmt: skip
+            self.cfg.rollout.max_response_len, self.stop_ids, self.reward,
+            self.versions(recovery), cfg=self.cfg.rollout,
+        ), recovery)  # fmt: skip
         self.reward.check_timeouts("evaluation")
         return acc

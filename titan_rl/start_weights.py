@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors import safe_open
+
 from titan_core.checkpoint.dist import RELEASE, latest_iteration
 from titan_core.models.hf import read_hf_config
 
@@ -55,8 +57,6 @@ def _weight_files(policy: Path) -> list[Path]:
 
 def _policy_dtypes(files: list[Path]) -> set[str] | None:
     """The dtypes of the policy's tensors (None: one the engines do not take)."""
-    from safetensors import safe_open
-
     seen: set[str] = set()
     for f in files:
         with safe_open(str(f), "pt") as st:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from titan_core.training.metrics import MetricsWriter, drop_records_after
+from titan_rl.rollout.tools import stuck_calls
+
 if TYPE_CHECKING:
-    from titan_core.training.metrics import MetricsWriter
     from titan_rl.rollout.generate import RolloutResult
     from titan_rl.sample import Sample
 
@@ -61,8 +63,6 @@ def version_stats(samples: list[Sample], policy_version: str) -> dict[str, float
 def multi_turn_stats(samples: list[Sample]) -> dict[str, float]:
     """Turns and tool use of a multi-turn rollout (titan_rl.rollout.multiturn records them in
     each sample's metadata); nothing for single-turn samples."""
-    from titan_rl.rollout.tools import stuck_calls
-
     turns = [s.metadata["turns"] for s in samples if "turns" in s.metadata]
     if not turns:
         return {}
@@ -123,8 +123,6 @@ def status_line(rec: dict[str, Any], total: int) -> str:
 def open_metrics(path: Path, resumed_step: int) -> MetricsWriter:
     """metrics.jsonl without the records past ``resumed_step`` (-1: a fresh start): a run
     killed after its last checkpoint repeats those steps, which are then recorded once."""
-    from titan_core.training.metrics import MetricsWriter, drop_records_after
-
     dropped = drop_records_after(path, resumed_step)
     if dropped:
         print(

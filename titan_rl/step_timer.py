@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import psutil
+
 
 class StepTimer:
     """``time/<phase>`` for each phase timed in a step, and ``time/step``.
@@ -56,8 +58,6 @@ class StartupTimer:
     """
 
     def __init__(self) -> None:
-        import psutil
-
         self._origin = psutil.Process().create_time()
         self._last = time.time()
         self.phases: dict[str, float] = {"imports": self._last - self._origin}

@@ -19,6 +19,7 @@ from titan_rl.config import GRPOConfig
 from titan_rl.data import Prompt, PromptSampler
 from titan_rl.driver import Driver
 from titan_rl.grpo import _train, resolve_config
+from titan_rl.job import Job
 from titan_rl.rollout.generate import RolloutResult
 from titan_rl.rollout.partial import PartialBuffer
 from titan_rl.sample import Sample, Status
@@ -95,9 +96,8 @@ class FakeRollouts:
         self.sampler = PromptSampler(prompts, seed=cfg.run.seed)
         self.carried = PartialBuffer()
         self.data_stats = {"data/skipped_rows": 3}
-        self.recovery = FakeRecovery(log)
 
-    async def rollout(self, client: Any, step: int) -> RolloutResult:
+    async def rollout(self, client: Any, step: int, recovery: Any) -> RolloutResult:
         self.log.append(("rollout", step))
         if step == self.stop_at:
             self.stop.request(signal.SIGTERM)
@@ -110,7 +110,7 @@ class FakeRollouts:
         ]  # fmt: skip
         return RolloutResult(samples, PROMPTS_PER_STEP, 0, 0, prompt_hash=f"h{step}")
 
-    async def evaluate(self, client: Any) -> float:
+    async def evaluate(self, client: Any, recovery: Any) -> float:
         self.log.append(("evaluate",))
         return 0.25
 
@@ -138,20 +138,22 @@ def _driver(tmp_path: Path, *overrides: str, colocate: bool = False):
     log: list[tuple] = []
     stop = StopSignals()  # not installed: the fake rollout requests the stop itself
     rollouts = FakeRollouts(cfg, log, stop)
+    recovery = FakeRecovery(log)
     aio = asyncio.new_event_loop()
     if colocate:
         colocation: Any = SharedDevices(
-            aio.run_until_complete, rollouts.recovery.wait_all_up, FakeMemory(log),
+            aio.run_until_complete, recovery.wait_all_up, FakeMemory(log),
             resume_kv_cache=cfg.sync.resume_kv_cache,
         )  # fmt: skip
     else:
-        colocation = SeparateDevices(aio.run_until_complete, rollouts.recovery.wait_all_up)
+        colocation = SeparateDevices(aio.run_until_complete, recovery.wait_all_up)
     engines = type("Engines", (), {"restarts": lambda self: 0})()
-    writer = open_metrics(tmp_path / "metrics.jsonl", -1)
-    driver = Driver(
-        cfg, rollouts, FakeTrainers(log), engines, None, colocation, writer, aio, stop, None
-    )
-    return driver, log, rollouts
+    job: Any = Job(
+        stop, rollouts, aio, trainers=FakeTrainers(log), engines=engines,
+        writer=open_metrics(tmp_path / "metrics.jsonl", -1), recovery=recovery,
+        colocation=colocation,
+    )  # fmt: skip
+    return Driver(cfg, job), log, rollouts
 
 
 def _run(driver: Driver) -> int:
@@ -287,3 +289,43 @@ def test_null_save_interval_still_saves_on_a_signal(tmp_path):
     rollouts.stop_at = 3
     assert _run(driver) == 128 + signal.SIGTERM
     assert [e for e in log if e[0] == "save"] == [("save", 2, {"epoch": 0, "offset": 4})]
+
+
+def test_a_job_tears_down_its_parts_newest_first_and_all_of_them(monkeypatch):
+    """Job.close: the client, the colocation, the recovery, the metrics file, the engines, the
+    tool workers, the reward, the trainers, then the event loop; a step that raises stops
+    none of the others, and its error comes out after them."""
+    log: list[str] = []
+
+    def part(name: str, *methods: str, fails: bool = False) -> Any:
+        def call(method: str) -> Any:
+            def f(*_: Any) -> None:
+                log.append(f"{name}.{method}")
+                if fails:
+                    raise RuntimeError(f"{name} failed")
+
+            async def af(*_: Any) -> None:
+                f()
+
+            return af if method == "aclose" else f
+
+        return type(name, (), {m: staticmethod(call(m)) for m in methods})()
+
+    monkeypatch.setattr("titan_rl.job.close_tool_workers", lambda: log.append("tool_workers"))
+    aio = asyncio.new_event_loop()
+    close_loop = aio.close
+    monkeypatch.setattr(aio, "close", lambda: (log.append("aio.close"), close_loop()))
+    rollouts: Any = type("Rollouts", (), {"reward": part("reward", "close")})()
+    job = Job(
+        StopSignals(), rollouts, aio, trainers=part("trainers", "shutdown"),
+        engines=part("engines", "stop", fails=True), writer=part("writer", "close"),
+        recovery=part("recovery", "aclose"), client=part("client", "aclose"),
+        colocation=part("colocation", "close"),
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="engines failed"):
+        job.close()
+    assert log == [
+        "client.aclose", "colocation.close", "recovery.aclose", "writer.close", "engines.stop",
+        "tool_workers", "reward.close", "trainers.shutdown", "aio.close",
+    ]  # fmt: skip
+    assert aio.is_closed()

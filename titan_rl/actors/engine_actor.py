@@ -6,6 +6,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 from titan_rl.actors.config import EngineLaunch, PlacedEngine, RolloutEnginesConfig, RouterConfig
 from titan_rl.actors.engine_process import ray_actor_class
 from titan_rl.actors.recovery import EngineRecovery, Resync
@@ -61,8 +63,6 @@ class RolloutEngineGroup:
         raise RuntimeError("several engines without a router: set engines.router=true")
 
     def start(self) -> str:
-        import ray
-
         actor_cls = ray_actor_class()
         self.actors = []
         for i, placed in enumerate(self.engines):
@@ -83,14 +83,10 @@ class RolloutEngineGroup:
 
     def restarts(self) -> int:
         """Restarts of all engines by their supervisors since the start."""
-        import ray
-
         return sum(ray.get([a.restarts.remote() for a in self.actors]))
 
     def gave_up(self) -> list[str]:
         """URLs of the engines whose supervisor stopped restarting them."""
-        import ray
-
         lost = ray.get([a.gave_up.remote() for a in self.actors])
         return [u for u, g in zip(self.urls, lost, strict=True) if g]
 
@@ -99,8 +95,6 @@ class RolloutEngineGroup:
         and restarted for not answering their health probe, since the start; counted in
         ``engines/restarts`` too) and ``engines/unanswered_s`` (the longest an engine went
         without answering since the last call; 0: none went a probe without)."""
-        import ray
-
         seen = ray.get([a.supervision.remote() for a in self.actors])
         return {
             "engines/hung_restarts": sum(s["hung_restarts"] for s in seen),
@@ -117,8 +111,6 @@ class RolloutEngineGroup:
         )  # fmt: skip
 
     def stop(self) -> None:
-        import ray
-
         if self.router is not None:
             self.router.stop()
             self.router = None

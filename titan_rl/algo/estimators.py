@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 #: added to the group std (grpo); verl and slime use 1e-6.
@@ -103,8 +104,6 @@ def masked_whiten(x: Tensor, mask: Tensor, eps: float = WHITEN_EPS, group: Any =
     m = mask.to(x.dtype)
     sums = torch.stack([m.sum(), (x * m).sum(), (x * x * m).sum()]).double()
     if group is not None:
-        import torch.distributed as dist
-
         dist.all_reduce(sums, group=group)
     n, total, squares = sums.unbind()
     if n < 2:

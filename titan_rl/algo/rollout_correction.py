@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from titan_rl.algo.config import AlgoConfig, CorrectionLevel
@@ -135,8 +136,6 @@ def mismatch_metrics(
     sums = torch.stack(parts)
     biggest = torch.cat([abs_diff.flatten(), abs_diff.new_zeros(1)]).amax().reshape(1)
     if group is not None:
-        import torch.distributed as dist
-
         if device is not None:
             sums, biggest = sums.to(device), biggest.to(device)
         dist.all_reduce(sums, group=group)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import sys
 
 from titan_rl.engine_settings import add_arguments, from_arguments
@@ -107,8 +108,6 @@ def validate(args: argparse.Namespace) -> None:
 def fit_connections_to_fd_limit(max_connections: int) -> int:
     """Raise the soft open-file limit so ``max_connections`` fit (as SGLang's ``set_ulimit``);
     where the hard limit is lower, lower the cap with a warning instead."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = max_connections + _SPARE_FDS
     if soft != resource.RLIM_INFINITY and soft < need:

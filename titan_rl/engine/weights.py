@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 # re-exported: the engine's code reads the wire formats through this module
 from titan_rl.wire.bucket import parse_dtype as parse_dtype
@@ -126,8 +127,6 @@ def load_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     Every failure (missing, unreadable, no ``*.safetensors``, corrupt) answers the same
     message, so a client cannot probe which paths exist on the host; the reason is logged.
     """
-    from safetensors.torch import load_file
-
     try:
         p = Path(path)
         files: list[Path] = []

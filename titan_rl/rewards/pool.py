@@ -26,6 +26,8 @@ shared cores, against 1.9-3.1 s before), not a second start of the driver.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import inspect
 import io
 import os
 from collections.abc import Sequence
@@ -64,9 +66,6 @@ def _call_hook(path: str, args: tuple[Any, ...]) -> Any:
     """In a worker: the function at ``path`` (``module.function``) called with ``args``; an
     ``async def`` one run to completion on the worker's own event loop."""
     global _HOOK_LOOP
-    import importlib
-    import inspect
-
     module, _, name = path.rpartition(".")
     out = getattr(importlib.import_module(module), name)(*args)
     if inspect.isawaitable(out):

@@ -36,12 +36,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import httpx
-
-if TYPE_CHECKING:
-    from pebble import ProcessPool
+from pebble import ProcessExpired, ProcessPool
 
 ToolFn = Callable[[str], "str | Awaitable[str]"]
 #: where a tool's ``fn`` runs (see :class:`ToolWorkers`)
@@ -236,8 +234,6 @@ class ToolWorkers:
 
     # ---- processes ------------------------------------------------------------------------
     def _process_pool(self) -> ProcessPool:
-        from pebble import ProcessPool
-
         with self._lock:
             if self._pool is None:
                 ctx = multiprocessing.get_context("forkserver")
@@ -247,8 +243,6 @@ class ToolWorkers:
             return self._pool
 
     async def _in_process(self, fn: ToolFn, args: str, timeout_s: float) -> str:
-        from pebble import ProcessExpired
-
         future = self._process_pool().schedule(_run_in_worker, args=(fn, args), timeout=timeout_s)
         try:
             # cancelling this coroutine (the caller's timeout) cancels the call: pebble kills

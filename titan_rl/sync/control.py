@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,6 @@ class TrainerRanks:
         """Take the trainer-wide mutex ``key`` (a spin lock on the default store); blocks."""
         if not self.distributed:
             return
-        from torch.distributed.distributed_c10d import _get_default_store
-
         store, me = _get_default_store(), str(self.rank).encode()
         while store.compare_set(key, "", me) != me:
             time.sleep(self.POLL_S)
@@ -100,8 +99,6 @@ class TrainerRanks:
     def release(self, key: str) -> None:
         if not self.distributed:
             return
-        from torch.distributed.distributed_c10d import _get_default_store
-
         _get_default_store().set(key, "")
 
     @contextlib.contextmanager

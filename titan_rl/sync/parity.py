@@ -1,7 +1,15 @@
-"""The parity probe: a fixed token batch scored by the engine and by the trainer."""
+"""The parity check after a sync: a fixed token batch (the probe) scored by the engines and by
+the trainer; mean / max |diff| of their logprobs against ``sync.max_logprob_diff``.
+
+With a version, an engine is scored only if it reports that version before and after its
+probe (one that died and restarted serves other weights: it is not what the sync wrote, and
+its resync has its own check); ``sync/parity_skipped`` counts the rest.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -9,7 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_rl.rollout.engine_api import EngineClient
+from titan_rl.rollout.engine_api import EngineClient, EngineUnavailableError
+from titan_rl.sync.config import SyncConfig
+from titan_rl.sync.transports.base import Engine
+
+log = logging.getLogger(__name__)
+
+
+class ParityError(RuntimeError):
+    """Engine and trainer logprobs differ by more than ``sync.max_logprob_diff``."""
 
 
 def probe_batch(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -128,3 +144,60 @@ def trainer_logprobs(
 def compare(engine: list[torch.Tensor], trainer: list[torch.Tensor]) -> tuple[float, float]:
     diff = torch.cat([(a - b).abs() for a, b in zip(engine, trainer, strict=True)])
     return float(diff.mean()), float(diff.max())
+
+
+async def _score(
+    e: Engine, probe: list[list[int]], version: str | None
+) -> list[torch.Tensor] | None:
+    """``e``'s probe logprobs; None when, with ``version``, it is not on that version before
+    and after the probe, or did not answer it."""
+    if version is None:
+        return await engine_logprobs(e.client, probe)
+    before = await e.client.weight_version()
+    if before != version:
+        log.warning("parity: %s reports version %s, not %s; not scored", e.url, before, version)
+        return None
+    try:
+        found = await engine_logprobs(e.client, probe)
+    except EngineUnavailableError as ex:
+        log.warning("parity: %s did not answer the probe (%s); not scored", e.url, ex)
+        return None
+    after = await e.client.weight_version()
+    if after != version:
+        log.warning("parity: %s went to version %s during the probe; not scored", e.url, after)
+        return None
+    return found
+
+
+async def score_engines(
+    engines: list[Engine], probe: list[list[int]], version: str | None
+) -> list[list[torch.Tensor] | None]:
+    """Every engine's probe logprobs at once (None: not scored, see :func:`_score`)."""
+    return list(await asyncio.gather(*(_score(e, probe, version) for e in engines)))
+
+
+def verdict(
+    cfg: SyncConfig,
+    ours: list[torch.Tensor],
+    scored: list[list[torch.Tensor] | None],
+    version: str | None,
+) -> dict[str, float]:
+    """The check's metrics from the trainer's and the engines' logprobs; above
+    ``sync.max_logprob_diff``, :class:`ParityError` (``sync.strict``) or a warning."""
+    theirs = [t for t in scored if t is not None]
+    skipped = {"sync/parity_skipped": float(len(scored) - len(theirs))} if version else {}
+    if not theirs:
+        return skipped
+    stats = [compare(t, ours) for t in theirs]
+    mean = sum(s[0] for s in stats) / len(stats)
+    worst = max(s[1] for s in stats)
+    if mean > cfg.max_logprob_diff:
+        msg = (
+            f"engine/trainer logprob mismatch after sync: mean {mean:.3g}, max {worst:.3g} "
+            f"> sync.max_logprob_diff {cfg.max_logprob_diff}; check the HF mapping, the "
+            "dtype (sync.dtype) and the engine's model config"
+        )
+        if cfg.strict:
+            raise ParityError(msg)
+        log.warning(msg)
+    return {"sync/logprob_abs_diff_mean": mean, "sync/logprob_abs_diff_max": worst, **skipped}

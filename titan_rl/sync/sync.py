@@ -1,5 +1,6 @@
 """Weight sync trainer -> engines: pause, flush, update bucket by bucket, bump the version,
-(colocated: resume the KV cache,) continue; then the logprob parity check.
+(colocated: resume the KV cache,) continue; then the logprob parity check
+(:mod:`titan_rl.sync.parity`).
 
 Every trainer rank calls :meth:`WeightSync.sync`. Nothing funnels through one rank: each
 pipeline stage's source rank sends its stage's weights and each EP rank its own experts
@@ -9,7 +10,8 @@ An engine TP rank gets its own payload (``tensor``), group rank (``distributed``
 (``mooncake``). An engine that fails during a sync never serves the half
 update as new: it keeps its old ``weight_version``; if it had already applied buckets, it is
 restored from the last full version on disk when one is known (the engine's start-up weights
-or the last disk sync), and otherwise left paused. Either way :class:`WeightSyncError` names it.
+or the last disk sync), and otherwise left paused (:mod:`titan_rl.sync.restore`). Either way
+:class:`WeightSyncError` names it.
 
 A sync is a sequence of calls that must all reach one server process, so its calls are never
 retried: a call retried after a connection error could reach a restarted server that missed
@@ -43,8 +45,13 @@ from titan_rl.rollout.engine_clients import DEFAULT_CLIENT
 from titan_rl.sync import parity
 from titan_rl.sync.config import SyncConfig
 from titan_rl.sync.control import Report, Sender, TrainerRanks
+from titan_rl.sync.parity import ParityError
+from titan_rl.sync.restore import RestorePoints, take_lost
 from titan_rl.sync.transports import TRANSPORTS, Engine, Failures, Transport, each_engine
+from titan_rl.sync.transports.base import describe
 from titan_rl.wire.bucket import NamedTensors, bucket_nbytes
+
+__all__ = ["KV_CACHE_TAGS", "NO_RETRY", "ParityError", "WeightSync", "WeightSyncError"]
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +70,8 @@ class WeightSyncError(RuntimeError):
         )
 
 
-class ParityError(RuntimeError):
-    """Engine and trainer logprobs differ by more than ``sync.max_logprob_diff``."""
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 class WeightSync:
@@ -112,8 +111,8 @@ class WeightSync:
         self.device = device or torch.device("cpu")
         self.num_syncs = 0
         self.version: str | None = None
-        #: url -> an HF directory holding the weights the engine serves now (for restores).
-        self.restore_paths: dict[str, str | None] = {}
+        #: what each engine goes back to when a sync fails on it
+        self.restore = RestorePoints(cfg.initial_version)
         self.probe = parity.probe_batch(
             cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
         )
@@ -193,7 +192,7 @@ class WeightSync:
         start-up weights, and no process group (every sender rebuilds its group with it at the
         next sync: ``forget`` in the plan)."""
         for e in engines:
-            self.restore_paths.pop(e.url, None)
+            self.restore.forget(e.url)
             self._forgotten.add(e.url)
 
     def _setup_roles(self) -> tuple[SendRole, Sender | None]:
@@ -257,11 +256,11 @@ class WeightSync:
         def fail(found: Failures, stage: str) -> None:
             for url, exc in found.items():
                 failures.setdefault(
-                    url, (f"{stage}: {_describe(exc)}", isinstance(exc, EngineUnavailableError))
+                    url, (f"{stage}: {describe(exc)}", isinstance(exc, EngineUnavailableError))
                 )
 
         t0 = time.perf_counter()
-        await self._remember_restore_points(engines)
+        await self.restore.remember(engines)
         fail(await _pause(engines, "abort" if restarted else self.cfg.pause_mode), "pause")
         live = [e for e in engines if e.url not in failures]
         fail(await each_engine(live, self._learn_tp_size), "server info")
@@ -301,7 +300,7 @@ class WeightSync:
                 if url not in failed:
                     failed[url] = stage
                     report.failures[url] = (
-                        f"{stage} (from {sender.name}): {_describe(exc)}",
+                        f"{stage} (from {sender.name}): {describe(exc)}",
                         isinstance(exc, EngineUnavailableError),
                     )
 
@@ -333,7 +332,7 @@ class WeightSync:
 
         def fail(found: Failures, stage: str) -> None:
             for url, exc in found.items():
-                note(url, f"{stage}: {_describe(exc)}", isinstance(exc, EngineUnavailableError))
+                note(url, f"{stage}: {describe(exc)}", isinstance(exc, EngineUnavailableError))
 
         for url, (msg, gone) in plan["failures"].items():
             note(url, msg, gone)
@@ -356,9 +355,9 @@ class WeightSync:
             if e.url in lost:
                 continue
             if e.url in failures:
-                failures[e.url] = await self._recover(e, tr, failures[e.url])
+                failures[e.url] = await self.restore.recover(e, tr, failures[e.url])
             else:
-                self.restore_paths[e.url] = tr.restore_path(version)
+                self.restore.synced(e.url, tr.restore_path(version))
         serving = [e for e in engines if not e.extra.get("left_paused") and e.url not in lost]
         if self.cfg.resume_kv_cache and not restarted:  # colocated: the KV cache comes back
             fail(
@@ -393,12 +392,7 @@ class WeightSync:
         (a restarted engine holds no state of this run's syncs)."""
         if not self.supervised:
             return set()
-        lost = {u for u in unreachable if u in failures}
-        for url in sorted(lost):
-            log.warning(
-                "%s was lost during the sync to version %s (%s); it is left to its supervisor "
-                "and gets the weights once it is back", url, version, failures.pop(url),
-            )  # fmt: skip
+        lost = take_lost(failures, unreachable, version)
         self._forget([e for e in engines if e.url in lost])
         return lost
 
@@ -431,43 +425,13 @@ class WeightSync:
             fail(await task, f"bucket {k}")
         return nbytes, nbuckets
 
-    async def _remember_restore_points(self, engines: list[Engine]) -> None:
-        """On first contact, an engine still on its start-up version serves its model_path."""
-        for e in engines:
-            if e.url in self.restore_paths:
-                continue
-            try:
-                info = await e.client.get_model_info()
-            except Exception:
-                info = {}
-            fresh = str(info.get("weight_version")) == self.cfg.initial_version
-            self.restore_paths[e.url] = info.get("model_path") if fresh else None
-
-    async def _recover(self, e: Engine, tr: Transport, reason: str) -> str:
-        """Bring a failed engine back to its old weights (and version), or keep it paused."""
-        if e.applied == 0 or (not tr.incremental and "load" not in reason):
-            return f"{reason} (engine unchanged: old weights and version)"
-        path = self.restore_paths.get(e.url)
-        if path:
-            try:
-                await e.client.update_weights_from_disk(path, flush_cache=True)
-                return f"{reason} (restored the old weights from {path}; version unchanged)"
-            except Exception as ex:
-                reason = f"{reason}; restore from {path} failed: {_describe(ex)}"
-        e.extra["left_paused"] = True
-        return (
-            f"{reason} (engine left PAUSED on partially updated weights; restart it or load a "
-            "checkpoint with /update_weights_from_disk, then /continue_generation)"
-        )
-
     # ---- parity ----------------------------------------------------------------------------------
     def check(
         self, chunks: list[Any], engines: list[Engine] | None = None, version: str | None = None
     ) -> dict[str, float]:
-        """Score the probe on every engine (or ``engines``) and on the trainer; mean/max |diff|
-        over all. With ``version``, only engines that report it before and after their probe
-        are scored (one that died and restarted serves other weights: it is not what the
-        sync wrote, and its resync has its own check); ``sync/parity_skipped`` counts the rest.
+        """The parity check (:mod:`titan_rl.sync.parity`) on every engine (or ``engines``):
+        mean/max |diff| over all; with ``version``, only engines that report it before and
+        after their probe are scored (``sync/parity_skipped`` counts the rest).
 
         Every trainer rank must call this (the trainer side runs megatron's forward-only
         schedule over TP / PP / VPP); the metrics come back on ``dst``, ``{}`` elsewhere.
@@ -475,50 +439,8 @@ class WeightSync:
         ours = parity.trainer_logprobs(chunks, self.probe, self.bridge.vocab_size)
         if _rank() != self.dst:
             return {}
-
-        async def score(e: Engine) -> list[torch.Tensor] | None:
-            if version is None:
-                return await parity.engine_logprobs(e.client, self.probe)
-            before = await e.client.weight_version()
-            if before != version:
-                log.warning(
-                    "parity: %s reports version %s, not %s; not scored", e.url, before, version
-                )
-                return None
-            try:
-                found = await parity.engine_logprobs(e.client, self.probe)
-            except EngineUnavailableError as ex:
-                log.warning("parity: %s did not answer the probe (%s); not scored", e.url, ex)
-                return None
-            after = await e.client.weight_version()
-            if after != version:
-                log.warning(
-                    "parity: %s went to version %s during the probe; not scored", e.url, after
-                )
-                return None
-            return found
-
-        async def score_all() -> list[list[torch.Tensor] | None]:
-            return list(await asyncio.gather(*(score(e) for e in engines or self._engines())))
-
-        scored = self._run(score_all())
-        theirs = [t for t in scored if t is not None]
-        skipped = {"sync/parity_skipped": float(len(scored) - len(theirs))} if version else {}
-        if not theirs:
-            return skipped
-        stats = [parity.compare(t, ours) for t in theirs]
-        mean = sum(s[0] for s in stats) / len(stats)
-        worst = max(s[1] for s in stats)
-        if mean > self.cfg.max_logprob_diff:
-            msg = (
-                f"engine/trainer logprob mismatch after sync: mean {mean:.3g}, max {worst:.3g} "
-                f"> sync.max_logprob_diff {self.cfg.max_logprob_diff}; check the HF mapping, the "
-                "dtype (sync.dtype) and the engine's model config"
-            )
-            if self.cfg.strict:
-                raise ParityError(msg)
-            log.warning(msg)
-        return {"sync/logprob_abs_diff_mean": mean, "sync/logprob_abs_diff_max": worst, **skipped}
+        scored = self._run(parity.score_engines(engines or self._engines(), self.probe, version))
+        return parity.verdict(self.cfg, ours, scored, version)
 
     def close(self) -> None:
         if self._transport is not None:

@@ -7,7 +7,14 @@ import contextlib
 import os
 from typing import TYPE_CHECKING, Any
 
+import ray
+import torch
+
+from titan_core.checkpoint.dist import unwrap
+from titan_core.net import free_port
+from titan_core.training.profiling import StepProfiler
 from titan_rl.config import GRPOConfig
+from titan_rl.sync.sync import WeightSync
 from titan_rl.trainer.batch import RLBatch
 
 if TYPE_CHECKING:
@@ -25,10 +32,6 @@ class TrainerWorker:
 
     def master_address(self) -> tuple[str, int]:
         """Rank 0's node IP and a free port there: the process group's rendezvous."""
-        import ray
-
-        from titan_core.net import free_port
-
         return ray.util.get_node_ip_address(), free_port("")
 
     def setup(self, rendezvous: tuple[str, int]) -> None:
@@ -41,8 +44,6 @@ class TrainerWorker:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
         )
-        import torch
-
         cfg, self._payload = self._payload, {}
         threads = cfg.pop("_torch_threads", None)
         if threads:
@@ -53,7 +54,7 @@ class TrainerWorker:
             f"niceness {os.nice(0)})",
             flush=True,
         )
-        from titan_core.training.profiling import StepProfiler
+        # megatron, in the trainer's process only (the driver holds this module too)
         from titan_rl.trainer.policy import PolicyTrainer
 
         self.cfg = GRPOConfig.model_validate(cfg)
@@ -83,8 +84,6 @@ class TrainerWorker:
         if not self.trainer.annotator.active:
             return
         if begin:
-            import torch
-
             rf = torch.profiler.record_function(f"titan/rl/{phase}")
             rf.__enter__()
             self._phases[phase] = rf
@@ -96,9 +95,6 @@ class TrainerWorker:
 
     def connect_engines(self, urls: list[str]) -> None:
         """Sync metrics come back from ``sync_weights``; the driver writes metrics.jsonl."""
-        from titan_core.checkpoint.dist import unwrap
-        from titan_rl.sync.sync import WeightSync
-
         self._chunks = [unwrap(c) for c in self.trainer.model]
         self.sync = WeightSync(
             self.cfg.sync,
@@ -161,8 +157,6 @@ class TrainCall:
 
     def result(self) -> dict[str, float]:
         """Rank 0's metrics once every rank has finished (a rank's error is raised here)."""
-        import ray
-
         return ray.get(self.refs)[0]
 
 
@@ -174,8 +168,6 @@ class TrainerGroup:
     """
 
     def __init__(self, cfg: GRPOConfig, placement: Placement) -> None:
-        import ray
-
         n = cfg.trainer.num_processes
         self.placement = placement
         worker_cls = ray.remote(TrainerWorker)
@@ -196,15 +188,11 @@ class TrainerGroup:
 
     def ready(self) -> None:
         """Wait until every rank is built (a rank's error in building is raised here)."""
-        import ray
-
         if self._setup is not None:
             refs, self._setup = self._setup, None
             ray.get(refs)
 
     def _all(self, method: str, *args: Any) -> list[Any]:
-        import ray
-
         self.ready()
         return ray.get([getattr(w, method).remote(*args) for w in self.workers])
 
@@ -246,8 +234,6 @@ class TrainerGroup:
         return self._all("resume")[0]
 
     def shutdown(self) -> None:
-        import ray
-
         try:
             if self._setup is None:  # built: leave the process group cleanly
                 self._all("shutdown")

@@ -9,6 +9,7 @@ work as in pretraining), and exports HF weights bucket by bucket for weight sync
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from safetensors.torch import save_file
 
 from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint import RELEASE, latest_iteration, load_checkpoint
@@ -29,6 +31,7 @@ from titan_core.models.gpt import build_model_chunks, build_transformer_config
 from titan_core.models.hf import HFBridge, load_hf_weights, read_hf_config
 from titan_core.models.hf.from_titan import hf_config_for
 from titan_core.parallel.initialize import initialize
+from titan_core.parallel.initialize import shutdown as shutdown_parallel
 from titan_core.training.annotate import MicrobatchAnnotator
 from titan_core.training.build import CheckpointSource, build_training
 from titan_core.training.finite import check_finite_values, check_loss_and_grads, check_params
@@ -205,10 +208,6 @@ class PolicyTrainer:
     def save_hf(self, path: str | Path) -> None:
         """An HF directory of the current policy: config.json, model.safetensors and the
         tokenizer (engines serving it match stop texts with it, as SGLang loads one)."""
-        import json
-
-        from safetensors.torch import save_file
-
         self.check_finite(f"HF export to {path}")
         tensors: dict[str, torch.Tensor] = {}
         for bucket in self.export_hf(self.cfg.sync.bucket_bytes):
@@ -520,7 +519,5 @@ class PolicyTrainer:
         return {k: sum(g.get(k, 0.0) for g in got) / len(got) for k in keys}
 
     def shutdown(self) -> None:
-        from titan_core.parallel.initialize import shutdown
-
         with contextlib.suppress(Exception):
-            shutdown()
+            shutdown_parallel()

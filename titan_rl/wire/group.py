@@ -15,6 +15,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
 from titan_rl.wire.bucket import (
     NamedTensors,
@@ -35,12 +36,6 @@ def init_weights_update_group(
     timeout_s: float = 120.0,
 ) -> dist.ProcessGroup:
     """Join (rank 0: host) a standalone process group of ``world_size`` members."""
-    from torch.distributed.distributed_c10d import (
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-    )
-
     timeout = timedelta(seconds=timeout_s)
     # The store torch's tcp:// rendezvous makes, built directly: under torchrun that
     # rendezvous would join the agent's store instead of hosting one (rank 0 must host).

@@ -43,6 +43,7 @@ from titan_rl.engine.weights import (
     parse_dtype,
     receive_broadcast,
 )
+from titan_rl.wire.group import destroy_weights_update_group as destroy_group
 
 router = APIRouter()
 
@@ -227,10 +228,7 @@ async def destroy_weights_update_group(
     pg = state.groups.pop(req.group_name, None)
     if pg is None:
         return fail(f"no weight update group {req.group_name!r}")
-    # imported here: the titan_rl.sync package (its __init__) is the trainer's side
-    from titan_rl.wire.group import destroy_weights_update_group as destroy
-
-    destroy(pg)
+    destroy_group(pg)
     if state.engine.tp_size > 1:
         await state.on_engine(lambda: state.engine.runner.destroy_group(req.group_name))
     return ok("Succeeded to destroy custom process group.")

@@ -46,6 +46,11 @@ class Engine:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def describe(e: BaseException) -> str:
+    """One failure as the sync's messages name it: ``Type: message``."""
+    return f"{type(e).__name__}: {e}"
+
+
 async def each_engine(engines: list[Engine], fn: Callable[[Engine], Awaitable[Any]]) -> Failures:
     """``fn`` on every engine at once; the engines it raised for, with what it raised."""
     results = await asyncio.gather(*(fn(e) for e in engines), return_exceptions=True)
