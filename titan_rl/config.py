@@ -154,7 +154,7 @@ class EnginesConfig(Section):
     #: built-in engine: torch (OpenMP) threads per engine, shared by its TP ranks. None:
     #: ``OMP_NUM_THREADS`` where set, else auto: the cores this job may use
     #: (``os.sched_getaffinity``), all of them when colocated (generation and training take
-    #: turns), else split with the trainer processes (``trainer_threads``); see --dry-run.
+    #: turns), else split with the trainer processes (``trainer.num_threads``); see --dry-run.
     num_threads: PositiveInt | None = None
     #: the engines' weights and compute (``--dtype``); "auto": the checkpoint's (fp32, as the
     #: trainer writes it). bfloat16 makes the rollout's numerics differ from an fp32
@@ -286,8 +286,8 @@ class TrainerConfig(Section):
     num_processes: PositiveInt = 1
     #: torch (OpenMP) threads of each trainer process. None: ``OMP_NUM_THREADS`` where set,
     #: else auto: the cores this job may use (``os.sched_getaffinity``) shared by the
-    #: trainer processes, and, unless the engines are colocated (taking turns with the
-    #: trainer), by the engines' TP ranks too (``engines.num_threads``), at least 1 each;
+    #: trainer processes, and, under ``rollout.async`` with engines beside it (computing at
+    #: once), by the engines' TP ranks too (``engines.num_threads``), at least 1 each;
     #: ``--dry-run`` prints both.
     num_threads: PositiveInt | None = None
 

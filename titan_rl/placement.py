@@ -116,6 +116,8 @@ class Threads:
     at_once: bool
     #: ``OMP_WAIT_POLICY`` given to the processes (None: the user's own settings stand)
     wait_policy: str | None
+    #: auto: the trainer trains while the engines (beside it) wait, as in a sync rollout
+    trainer_alone: bool = False
 
     def env(self, threads: int) -> dict[str, str]:
         """The environment of a process running ``threads`` threads (set before torch
@@ -136,6 +138,8 @@ class Threads:
                 if self.at_once
                 else "for each phase (generation and training alternate)"
             )
+            if self.at_once and self.trainer_alone:
+                line += ", the trainer's all of them (it trains while the engines wait)"
         if self.wait_policy is not None:
             return line + f"; OMP_WAIT_POLICY={self.wait_policy} (idle threads sleep)"
         return line + "; OpenMP wait: the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT"
@@ -150,6 +154,7 @@ def resolve_threads(
     at_once: bool,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
+    trainer_alone: bool = False,
 ) -> Threads:
     """The threads of each trainer process and engine: the keys where set, else
     ``OMP_NUM_THREADS``, else auto from ``cores`` (default: :func:`available_cores`).
@@ -160,7 +165,13 @@ def resolve_threads(
     one; the cores left over go to the trainer processes). More threads than free cores
     stall: every parallel region waits for its slowest thread, and a thread whose core
     another process holds waits for its time slice. The one place these defaults live (the
-    GRPO job's placement plan and the slime / miles adapters' engines call it)."""
+    GRPO job's placement plan and the slime / miles adapters' engines call it).
+
+    ``trainer_alone`` (engines beside the trainer, a sync rollout): the trainer trains while
+    the engines wait, so its processes share every core; the engines keep their side-by-side
+    share, as a decode step's small matmuls lose more to a second thread's synchronisation
+    than they gain on CPU (bench/vs_trl.py's model, M=128 on 2 cores: a step 0.84 -> 0.65-0.69
+    s with the trainer at 2 threads; the rollout 0.35-0.39 -> 0.88-1.08 s with the engine's)."""
     environ = os.environ if environ is None else environ
     cores = cores or available_cores()
     omp = omp_num_threads(environ)
@@ -169,6 +180,8 @@ def resolve_threads(
         share = max(1, cores // slots)
         trainer_auto = share + max(0, cores - share * slots) // trainer_processes
         engine_auto = share * engine_tp
+        if trainer_alone:
+            trainer_auto = max(1, cores // trainer_processes)
     else:
         trainer_auto = max(1, cores // trainer_processes)
         engine_auto = max(1, cores // num_engines)
@@ -185,20 +198,22 @@ def resolve_threads(
     user_wait = any(environ.get(k) for k in WAIT_SETTINGS)
     return Threads(
         trainer, engine, trainer_from, engine_from, cores, at_once,
-        None if user_wait else WAIT_POLICY,
+        None if user_wait else WAIT_POLICY, trainer_alone and at_once,
     )  # fmt: skip
 
 
 def job_threads(cfg: GRPOConfig) -> Threads:
     """The GRPO job's threads. Disaggregated engines sit beside the trainer (their own
     bundles) and with ``rollout.async`` generate while it trains: the cores are split, so
-    neither's threads wait on the other's. Colocated engines (never async) take turns with
-    the trainer: each phase gets every core."""
+    neither's threads wait on the other's; without it (a sync rollout) the trainer trains
+    while they wait and takes every core, the engines keeping their share. Colocated engines
+    (never async) take turns with the trainer: each phase gets every core."""
     e = cfg.engines
     return resolve_threads(
         cfg.trainer.num_threads, e.num_threads, cfg.trainer.num_processes, e.num_engines,
         e.tp_size,
         at_once=not e.colocate or cfg.rollout.async_rollout,
+        trainer_alone=not e.colocate and not cfg.rollout.async_rollout,
     )  # fmt: skip
 
 

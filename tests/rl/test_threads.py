@@ -54,23 +54,31 @@ def test_thread_keys_are_checked(override, key):
 
 def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cores):
     cores(8)
-    t = _plan().threads  # disaggregated, the default: 1 trainer process and 1 engine
+    t = _plan("rollout.async=true").threads  # disaggregated: 1 trainer process and 1 engine
     assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (4, 4, "auto", "auto")
-    assert t.at_once and t.wait_policy == WAIT_POLICY == "PASSIVE"
-    # rollout.async runs them at once too; colocated, each phase has every core
-    assert _plan("rollout.async=true").threads.at_once
+    assert t.at_once and not t.trainer_alone and t.wait_policy == WAIT_POLICY == "PASSIVE"
+    # a sync rollout (the default): the trainer trains while the engines wait, on every core
+    t = _plan().threads
+    assert (t.trainer, t.engine, t.at_once, t.trainer_alone) == (8, 4, True, True)
+    # colocated, each phase has every core
     t = _plan("engines.colocate=true").threads
     assert (t.trainer, t.engine, t.at_once) == (8, 8, False)
     # 2 trainer processes and an engine of 2 TP ranks: 4 slots of 2 cores each
-    t = _plan("trainer.num_processes=2", "engines.tp_size=2", "train.micro_batch_size=64").threads
+    t = _plan(
+        "trainer.num_processes=2", "engines.tp_size=2", "train.micro_batch_size=64",
+        "rollout.async=true",
+    ).threads  # fmt: skip
     assert (t.trainer, t.engine) == (2, 4)
     # 3 slots of 8 cores: 2 each, the 2 left over to the trainer processes
-    t = _plan("trainer.num_processes=2", "train.micro_batch_size=64").threads
+    t = _plan("trainer.num_processes=2", "train.micro_batch_size=64", "rollout.async=true").threads
     assert (t.trainer, t.engine) == (3, 2)
+    t = _plan("trainer.num_processes=2", "train.micro_batch_size=64").threads  # sync
+    assert (t.trainer, t.engine) == (4, 2)
     cores(2)
     t = _plan("trainer.num_processes=4", "train.micro_batch_size=64").threads
     assert (t.trainer, t.engine) == (1, 1)  # more processes than cores: one thread each
-    assert (_plan("engines.colocate=true").threads.trainer, _plan().threads.trainer) == (2, 1)
+    assert (_plan("engines.colocate=true").threads.trainer, _plan().threads.trainer) == (2, 2)
+    assert _plan("rollout.async=true").threads.trainer == 1
 
 
 def test_omp_num_threads_is_the_default_of_both_and_the_keys_win(cores, monkeypatch):
@@ -125,7 +133,8 @@ def test_dry_run_prints_the_threads(cores, capsys):
     assert (
         "threads: 2 per trainer process (trainer.num_threads), 1 per engine (auto); auto: the 2 "
         "core(s) this job may use, split between the trainer processes and the engines (side "
-        "by side); OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
+        "by side), the trainer's all of them (it trains while the engines wait); "
+        "OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
     ) in out.splitlines()
     assert main(["--config", str(MATH), "--dry-run", "engines.colocate=true"]) == 0
     assert "2 per engine (auto); auto: the 2 core(s) this job may use, for each phase" in (
