@@ -138,7 +138,7 @@ class Threads:
                 if self.at_once
                 else "for each phase (generation and training alternate)"
             )
-            if self.at_once and self.trainer_alone:
+            if self.trainer_alone:  # only ever set with at_once
                 line += ", the trainer's all of them (it trains while the engines wait)"
         if self.wait_policy is not None:
             return line + f"; OMP_WAIT_POLICY={self.wait_policy} (idle threads sleep)"
