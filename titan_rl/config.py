@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from titan_core.config import ConfigError, Section
 from titan_core.config.pretrain import (
@@ -304,13 +311,18 @@ class RLRunConfig(Section):
     #: all (slime's ``--save-interval`` unset; ``save_on_signal`` still saves on a signal).
     save_interval: int | None = Field(100, ge=0)
     #: on SIGTERM / SIGINT, save the last completed step before exiting 143 / 130 (as
-    #: Megatron-LM's --exit-signal-handler does); false: exit without saving.
+    #: Megatron-LM's --exit-signal-handler does), and before exiting 1 when the engines are
+    #: lost for good (their node lost, their supervisor given up); false: exit without saving.
     save_on_signal: bool = True
     #: the prompts' order (and the arithmetic problems'), the engines' sampling seeds and the
     #: trainer's random state (Megatron's ``--seed``).
     seed: int = 1
     #: print a status line every N steps.
     log_interval: PositiveInt = 1
+
+
+#: the resources a placement bundle asks for itself (titan_rl/placement.py)
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 class RayConfig(Section):
@@ -321,6 +333,14 @@ class RayConfig(Section):
     num_cpus: PositiveInt | None = None
     #: Ray namespace of the job's actors (None: Ray's anonymous one).
     namespace: str | None = None
+    #: cluster only: custom Ray resources each trainer process's bundle asks for besides its
+    #: CPU / device, which puts the trainers on the nodes that declare them (``ray start
+    #: --resources '{"trainer_node": 8}'``, or Ray's own ``node:<ip>``), as verl's resource
+    #: pools and slime's ``--actor-num-nodes`` do; {}: wherever Ray packs them.
+    trainer_resources: dict[str, PositiveFloat] = Field(default_factory=dict)
+    #: cluster only: the same for each engine's bundles (disaggregated engines: colocated
+    #: ones share the trainer's bundles).
+    engine_resources: dict[str, PositiveFloat] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> RayConfig:
@@ -329,6 +349,21 @@ class RayConfig(Section):
                 "ray.num_cpus applies to a local Ray only; an existing cluster (ray.address) "
                 "brings its own resources, so unset ray.num_cpus"
             )
+        for key in ("trainer_resources", "engine_resources"):
+            asked = getattr(self, key)
+            if asked and self.address is None:
+                raise ValueError(
+                    f"ray.{key} places actors on the cluster nodes that declare those "
+                    "resources; a local Ray is this one machine: set ray.address to the "
+                    f"cluster's, or drop ray.{key}"
+                )
+            for name in asked:
+                if name in RAY_OWN_RESOURCES:
+                    raise ValueError(
+                        f"ray.{key}.{name}: the placement asks for {name} itself (a CPU, and a "
+                        "device on GPU machines); name a custom resource that labels the "
+                        "nodes (ray start --resources) or node:<ip>"
+                    )
         return self
 
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from titan_core.training.metrics import read_metrics
+from titan_rl.actors.recovery import EngineLostError
 from titan_rl.config import GRPOConfig
 from titan_rl.plot import plot_rewards
 from titan_rl.step_log import status_line, step_record
 from titan_rl.step_timer import StartupTimer, StepTimer
-from titan_rl.stopping import stopped_line, until_stopped
+from titan_rl.stopping import lost_line, stopped_line, until_stopped
 from titan_rl.trainer.batch import pack_samples
 
 if TYPE_CHECKING:
@@ -143,16 +144,26 @@ class Driver:
                 self.recovery.on_train_queued(str(step))  # what a resync would now send
                 # a resume redraws what the prefetch draws, and continues what it continues
                 after, carried = sampler.state(), self.rollouts.carried.state()
-                self._pending = self._until_stopped(
-                    self.rollouts.rollout(self.client, step + 1, self.recovery)
-                )
+                try:
+                    self._pending = self._until_stopped(
+                        self.rollouts.rollout(self.client, step + 1, self.recovery)
+                    )
+                except EngineLostError:  # the update in flight is the step's: it completes
+                    update.result()
+                    self._completed(step, after, carried)
+                    raise
                 metrics = update.result()
             else:
                 metrics = self.trainers.train(batch, step)
                 after, carried = sampler.state(), self.rollouts.carried.state()
-        self.progress.completed, self.progress.sampler = step, after
-        self.progress.carried = carried
+        self._completed(step, after, carried)
         return metrics
+
+    def _completed(self, step: int, sampler: dict[str, int], carried: list[Any]) -> None:
+        """``step``'s policy update finished; the prompt sampler and the carried groups are
+        as they stood after drawing it."""
+        self.progress.completed, self.progress.sampler = step, sampler
+        self.progress.carried = carried
 
     def sync(self, step: int) -> dict[str, float]:
         """The new weights to every engine (their version: the step)."""
@@ -174,13 +185,19 @@ class Driver:
     def record(self, step: int, result: RolloutResult, measured: dict[str, float]) -> None:
         """Close the step: its times, the engines' health, its record and status line."""
         rec = step_record(step, result, {**measured, **self.timer.stop()})
-        rec.update(self.aio.run_until_complete(self.recovery.report()))
+        lost = None
+        try:
+            rec.update(self.aio.run_until_complete(self.recovery.report()))
+        except EngineLostError as e:  # the step is done: recorded first, then the stop
+            lost = e
         rec["engines/restarts"] = self.engines.restarts()
         if step in self._profiled:
             self.trainers.end_step(step)
         self.writer.write({**rec, **self._take_first()})
         if step % self.cfg.run.log_interval == 0 or "eval/accuracy" in rec:
             print(status_line(rec, self.cfg.run.num_steps), flush=True)
+        if lost is not None:
+            raise lost
 
     def save(self, step: int) -> None:
         """A checkpoint every ``run.save_interval`` steps and at the last one (0: only at the
@@ -196,6 +213,19 @@ class Driver:
             step, {"sampler": self.progress.sampler, "partial": self.progress.carried}
         )
         self.progress.saved = step
+
+    def engines_lost(self, error: EngineLostError) -> int:
+        """Engines lost for good (their node, or their supervisor gave up): the last completed
+        step saved (``run.save_on_signal``), one line saying what was lost and how to go on;
+        exit code 1."""
+        p, run = self.progress, self.cfg.run
+        if run.save_on_signal and p.completed > p.start and p.saved != p.completed:
+            self._save(p.completed)
+        print(
+            lost_line(error, p.completed, p.start, p.saved, self.rollouts.run_dir / "checkpoints"),
+            flush=True,
+        )
+        return 1
 
     def finish(self) -> int:
         """0 once every step ran (the reward plot written); after a stop signal, 128 + signum,

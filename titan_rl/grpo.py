@@ -54,6 +54,15 @@ def resolve_config(cfg: GRPOConfig) -> GRPOConfig:
         algo = algo.model_copy(update={"use_tis": cfg.rollout.async_rollout})
     if sync.resume_kv_cache is None:
         sync = sync.model_copy(update={"resume_kv_cache": cfg.engines.colocate})
+    dist = sync.distributed
+    if (
+        cfg.ray.address
+        and sync.transport == "distributed"  # another's section must keep its defaults
+        and "master_address" not in dist.model_fields_set
+    ):
+        # on a cluster the engines may be on other nodes: loopback would not reach the sender
+        auto = dist.model_copy(update={"master_address": "auto"})
+        sync = sync.model_copy(update={"distributed": auto})
     rollout = cfg.rollout
     if algo.routing_replay and not rollout.return_routed_experts:  # replay needs them
         rollout = rollout.model_copy(update={"return_routed_experts": True})
@@ -75,6 +84,7 @@ def run(cfg: GRPOConfig) -> int:
 
 def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     # Ray, the actors and the job's parts: imported by the job, not by the CLI's parsing
+    from titan_rl.actors.recovery import EngineLostError
     from titan_rl.driver import Driver
     from titan_rl.job import Job
     from titan_rl.step_timer import StartupTimer
@@ -86,11 +96,14 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     try:
         driver = Driver(cfg, job)
         startup.ended("connect")
-        driver.evaluate_base()
-        startup.ended("eval")
-        driver.startup(startup)
-        _train(driver)
-        code = driver.finish()
+        try:
+            driver.evaluate_base()
+            startup.ended("eval")
+            driver.startup(startup)
+            _train(driver)
+            code = driver.finish()
+        except EngineLostError as e:  # for good: saved, said, exit 1
+            code = driver.engines_lost(e)
     finally:
         job.close()
     return code

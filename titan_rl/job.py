@@ -14,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 from dataclasses import dataclass
 
 import ray
 
+from titan_core.config import ConfigError
 from titan_core.signals import Stopped, StopSignals, ignoring
 from titan_core.training.metrics import MetricsWriter
 from titan_rl.actors.engine_actor import RolloutEngineGroup
@@ -25,6 +27,7 @@ from titan_rl.actors.recovery import EngineRecovery
 from titan_rl.base_policy import ensure_base_policy
 from titan_rl.colocation import Colocation, colocation_for
 from titan_rl.config import GRPOConfig
+from titan_rl.nodes import NodeWatch
 from titan_rl.placement import (
     Placement,
     PlacementPlan,
@@ -39,6 +42,7 @@ from titan_rl.rollouts import Rollouts
 from titan_rl.start_weights import clear_start_dir, link_policy, serves_policy_files
 from titan_rl.step_log import open_metrics
 from titan_rl.step_timer import StartupTimer
+from titan_rl.sync.transports import TRANSPORTS
 from titan_rl.trainer.group import TrainerGroup
 
 
@@ -66,6 +70,8 @@ class Job:
     resumed_at: int | None = None
     #: this job started Ray, and shuts it down
     owns_ray: bool = False
+    #: the nodes the job's actors run on, watched (a lost one is said within seconds)
+    watch: NodeWatch | None = None
 
     @classmethod
     def start(cls, cfg: GRPOConfig, stop: StopSignals, startup: StartupTimer) -> Job:
@@ -93,12 +99,21 @@ class Job:
         stop.install()  # ray.init replaced our SIGTERM handler with its own
         startup.ended("ray")
         placement = reserve(plan)
+        _check_nodes(cfg, placement)
+        job.watch = placement.watch()  # asked when engines stop answering
+        if cfg.ray.address is not None:  # a cluster: which node holds what, watched from now
+            print(job.watch.placed(), flush=True)
+            job.watch.start()
         job.trainers = TrainerGroup(cfg, placement)  # builds in its actors; threads: plan.threads
         job.aio = asyncio.new_event_loop()
         try:
             job._connect(cfg, plan, placement, startup)
-        except BaseException:
-            job.close()
+        except BaseException as error:
+            try:
+                job.close()
+            except Exception as also:  # said, but the error that stopped the start is raised
+                print(f"while stopping after {type(error).__name__}: {type(also).__name__}: "
+                      f"{also}", file=sys.stderr, flush=True)  # fmt: skip
             raise
         return job
 
@@ -113,7 +128,9 @@ class Job:
         side_by_side = not e.colocate or plan.accelerator == "cpu"
         if side_by_side and serves_policy_files(cfg):
             link_policy(cfg, rollouts.tok)
-            self.engines = RolloutEngineGroup(placement.engine_launches("0"), plan.router)
+            self.engines = RolloutEngineGroup(
+                placement.engine_launches("0"), plan.router, self.watch
+            )
             url = self.engines.start()
             startup.ended("engines")
         trainers.ready()
@@ -130,10 +147,14 @@ class Job:
         if self.engines is None:
             # the engines as the plan resolved them, serving the trainer's weights of `start`
             trainers.save_hf(str(clear_start_dir(cfg)))
-            self.engines = RolloutEngineGroup(placement.engine_launches(str(start)), plan.router)
+            self.engines = RolloutEngineGroup(
+                placement.engine_launches(str(start)), plan.router, self.watch
+            )
             url = self.engines.start()
             startup.ended("engines")
-        trainers.connect_engines(self.engines.urls)
+        print(self.engines.describe(), flush=True)
+        # sync.transport=mooncake without sync.mooncake.agents: the agents beside the engines
+        trainers.connect_engines(self.engines.urls, self.engines.agent_urls())
         self.recovery = self.engines.recovery(trainers.resync_engines, e.retry_timeout_s, e.client)
         self.client = make_engine_client(url, ClientOptions(
             api_key=e.api_key, max_concurrency=cfg.rollout.max_concurrency,
@@ -150,6 +171,8 @@ class Job:
         with contextlib.ExitStack() as cleanup:
             if self.owns_ray:
                 cleanup.callback(ray.shutdown)  # the actors' processes, and their children
+            if self.watch is not None:
+                cleanup.callback(self.watch.stop)
             if aio is not None:
                 cleanup.callback(aio.close)
             if self.trainers is not None:
@@ -167,3 +190,17 @@ class Job:
                 cleanup.callback(self.colocation.close)
             if aio is not None and client is not None:
                 cleanup.callback(lambda: aio.run_until_complete(client.aclose()))
+
+
+def _check_nodes(cfg: GRPOConfig, placement: Placement) -> None:
+    """ConfigError where the transport needs the engines on a trainer's node and Ray placed
+    some elsewhere (the placement group is removed first)."""
+    apart = placement.engines_apart()
+    if apart and TRANSPORTS[cfg.sync.transport].same_node:
+        placement.remove()
+        raise ConfigError(
+            f"sync.transport={cfg.sync.transport}: the engines open the weights the trainer "
+            f"shares in its node's memory, but Ray placed {', '.join(apart)}, where no trainer "
+            "rank runs; use sync.transport=distributed, disk (on a folder every node sees) or "
+            "mooncake, or place the engines with the trainer (ray.engine_resources)"
+        )

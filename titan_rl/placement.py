@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from titan_core.config import ConfigError
+from titan_core.net import NODE_IP_ENV
 from titan_rl.actors.config import (
     EngineLaunch,
     PlacedEngine,
@@ -28,6 +29,7 @@ from titan_rl.actors.config import (
     resolve_backend,
 )
 from titan_rl.config import EnginesConfig, GRPOConfig, RayConfig
+from titan_rl.nodes import DRIVER_DIR_ENV, NodeWatch, RayNode, ray_nodes
 
 #: Colocated shares of one device (slime's): a trainer rank and an engine fit one bundle.
 TRAINER_SHARE_COLOCATED = 0.4
@@ -249,6 +251,9 @@ class PlacementPlan:
     unlaunchable: str | None = None
     #: the trainer processes' and engines' threads (None: not resolved, a bare plan)
     threads: Threads | None = None
+    #: custom Ray resources each trainer / engine bundle asks for too (``ray.*_resources``)
+    trainer_resources: Mapping[str, float] = field(default_factory=dict)
+    engine_resources: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def unit(self) -> str:
@@ -256,12 +261,28 @@ class PlacementPlan:
 
     @property
     def num_bundles(self) -> int:
-        engines = 0 if self.colocate else self.num_engines * self.engine_tp
-        return self.trainer_processes + engines
+        return self.trainer_processes + self.engine_bundles
+
+    @property
+    def engine_bundles(self) -> int:
+        """The bundles after the trainer's: the engines' own (none when colocated)."""
+        return 0 if self.colocate else self.num_engines * self.engine_tp
 
     @property
     def bundle(self) -> dict[str, float]:
+        """A bundle's CPU and device (each role's custom resources on top: :meth:`bundles`)."""
         return {self.resource: 1, "CPU": 1} if self.resource else {"CPU": 1}
+
+    @property
+    def by_role(self) -> bool:
+        """The trainer's and the engines' bundles ask for different resources (placed apart)."""
+        return bool(self.trainer_resources or self.engine_resources)
+
+    def bundles(self) -> list[dict[str, float]]:
+        """Every bundle of the group, the trainer's first."""
+        trainer = {**self.bundle, **self.trainer_resources}
+        engine = {**self.bundle, **self.engine_resources}
+        return [trainer] * self.trainer_processes + [engine] * self.engine_bundles
 
     @property
     def trainer_share(self) -> float:
@@ -294,9 +315,16 @@ class PlacementPlan:
             have = "a local Ray sized to fit"
         else:
             have = f"this machine ({self.accelerator}) has none; needs a {self.resource} machine"
+        roles = ""
+        if self.by_role:
+            roles = (
+                f"; the trainer's also ask for {dict(self.trainer_resources) or 'nothing more'}"
+                f" (ray.trainer_resources), the engines' for "
+                f"{dict(self.engine_resources) or 'nothing more'} (ray.engine_resources)"
+            )
         lines = [
             f"placement: one Ray placement group of {self.num_bundles} bundle(s) "
-            f"{self.bundle} (PACK); {mode}",
+            f"{self.bundle} (PACK); {mode}{roles}",
             f"devices: {self.num_bundles} {unit}(s) needed, {have}"
             + ("; GPU k = the k-th bundle by (node, device id)" if self.resource else ""),
             f"trainer: {self.trainer_processes} Megatron process(es) = TP{self.tp} x PP{self.pp}"
@@ -327,6 +355,12 @@ class PlacementPlan:
             if self.resource:
                 span += f" (base_gpu_id: the device id of {unit} {s[0]} on its node)"
             lines.append(f"  engine {i} -> {span}")
+        agent = self.engine.mooncake_agent if self.engine is not None else None
+        if agent is not None:
+            lines.append(
+                f"mooncake: each engine's actor starts an agent beside it, a {agent.buffer_bytes}"
+                f"-byte receive buffer over {agent.protocol} (sync.mooncake.agents unset)"
+            )
         if self.threads is not None:
             lines.append(self.threads.describe())
         return lines
@@ -352,10 +386,17 @@ def engine_launch(
     run with the memory saver) and ``rollout.return_routed_experts``; from the plan: the
     engines' ``threads``, what they serve (``model_path``: the weights and the tokenizer,
     so that stop texts match), where they log (None: a temporary folder) and flags for
-    SGLang servers only (``sglang_args``: the built-in engine would refuse them).
+    SGLang servers only (``sglang_args``: the built-in engine would refuse them). With
+    ``sync.transport=mooncake`` and no ``sync.mooncake.agents``, each engine's actor starts a
+    Mooncake agent beside it, a buffer region per trainer sender (each pipeline stage's; on
+    MoE models each EP rank's: titan_core.models.hf.SendRole).
     """
-    e = cfg.engines
+    e, p = cfg.engines, cfg.parallel
     backend = resolve_backend(e.backend, accelerator)
+    senders = p.pipeline_model_parallel_size * (
+        p.expert_model_parallel_size if cfg.model.num_moe_experts else 1
+    )
+    agent = cfg.sync.mooncake.job_agent(cfg.sync.bucket_bytes, senders)
     return EngineLaunch(
         model_path=model_path, backend=backend, device=accelerator,
         tp_size=e.tp_size, mem_fraction_static=e.mem_fraction_static,
@@ -367,6 +408,7 @@ def engine_launch(
         health_timeout_s=e.health_timeout_s,
         enable_return_routed_experts=cfg.rollout.return_routed_experts,
         extra_args=list(sglang_args) if backend == "sglang" else [],
+        mooncake_agent=agent if cfg.sync.transport == "mooncake" else None,
     )  # fmt: skip
 
 
@@ -392,6 +434,12 @@ def plan_placement(
             f"engines.colocate=true: engines.num_engines x engines.tp_size ({e.num_engines} x "
             f"{e.tp_size} = {engine_devices}) exceeds trainer.num_processes ({n}), the devices the "
             "colocated engines share; lower engines.num_engines or raise trainer.num_processes"
+        )
+    if e.colocate and cfg.ray.engine_resources:
+        raise ConfigError(
+            "ray.engine_resources with engines.colocate=true: colocated engines share the "
+            "trainer's bundles (placed by ray.trainer_resources); drop ray.engine_resources "
+            "or set engines.colocate=false"
         )
     available = devices if resource else cfg.ray.num_cpus
     run_dir = Path(cfg.run.dir)
@@ -422,6 +470,8 @@ def plan_placement(
         engine=launch,
         unlaunchable=None if here is None else _engines_error(e, here),
         threads=threads,
+        trainer_resources=dict(cfg.ray.trainer_resources),
+        engine_resources=dict(cfg.ray.engine_resources),
     )
     if available is not None and plan.num_bundles > available:
         raise ConfigError(f"{_need(plan)}, but only {available} are available ({_source(plan)})")
@@ -478,7 +528,12 @@ def placement_plan(cfg: GRPOConfig) -> list[str]:
     plan = machine_plan(cfg, launching=False)
     lines = [
         f"accelerator: {accel.name} (process groups: {accel.communication_backend()}, "
-        f"weight sync: {cfg.sync.transport} over {accel.weight_update_backend()})",
+        f"weight sync: {cfg.sync.transport}"
+        + (
+            f" over {accel.weight_update_backend()})"
+            if cfg.sync.transport == "distributed"
+            else ")"
+        ),
         "ray: " + _ray_line(cfg.ray),
         *plan.describe(),
         f"policy: {cfg.policy.format} weights from {cfg.policy.load}",
@@ -603,11 +658,14 @@ def _device_request(resource: str | None, amount: float) -> dict[str, Any]:
 # ---- the placement group (needs a running Ray) --------------------------------------------
 @dataclass(frozen=True)
 class Slot:
-    """One bundle of the group: its index, and on device bundles its node and device id."""
+    """One bundle of the group: its index, its node (on a running Ray) and on device bundles
+    its device id."""
 
     bundle: int
     node_ip: str | None = None
     device: int | None = None
+    #: the Ray node holding the bundle (None: not looked up, a plan without Ray)
+    node: RayNode | None = None
 
 
 @dataclass(frozen=True)
@@ -619,6 +677,8 @@ class EnginePlacement:
     base_gpu_id: int | None
     #: bind the server to its node's IP (an existing cluster: the driver may be elsewhere).
     bind_node_ip: bool
+    #: the Ray node of its first bundle (None: not looked up)
+    node: RayNode | None = None
 
     def place(self, launch: EngineLaunch) -> PlacedEngine:
         """``launch`` on this placement: its base_gpu_id and node IP binding, and the actor's
@@ -626,7 +686,7 @@ class EnginePlacement:
         update: dict[str, Any] = {"bind_node_ip": self.bind_node_ip}
         if self.base_gpu_id is not None:
             update["base_gpu_id"] = self.base_gpu_id
-        return PlacedEngine(launch.model_copy(update=update), self.actor_options)
+        return PlacedEngine(launch.model_copy(update=update), self.actor_options, self.node)
 
 
 def _where(resource: str) -> tuple[str, int]:
@@ -656,7 +716,27 @@ def _probe(pg: Any, plan: PlacementPlan) -> list[Slot]:
         for i in range(plan.num_bundles)
     ]
     found = [Slot(i, ip, dev) for i, (ip, dev) in enumerate(ray.get(refs))]
-    return sorted(found, key=lambda s: (s.node_ip, s.device))
+    if not plan.by_role:  # every bundle alike: rank r on the r-th device by (node, id)
+        return sorted(found, key=lambda s: (s.node_ip, s.device))
+    # the trainer's and the engines' bundles ask for different nodes: ordered apart
+    n = plan.trainer_processes
+    order = lambda slots: sorted(slots, key=lambda s: (s.node_ip, s.device))  # noqa: E731
+    return order(found[:n]) + order(found[n:])
+
+
+def _with_nodes(pg: Any, slots: list[Slot]) -> list[Slot]:
+    """``slots`` with the Ray node each bundle was placed on (Ray's placement-group table: no
+    task runs)."""
+    from ray.util.placement_group import placement_group_table
+
+    placed = placement_group_table(pg)["bundles_to_node_id"]
+    nodes = ray_nodes()
+    out = []
+    for s in slots:
+        node = nodes.get(placed.get(s.bundle, ""))
+        ip = s.node_ip or (node.ip if node else None)
+        out.append(Slot(s.bundle, ip, s.device, node))
+    return out
 
 
 class Placement:
@@ -696,16 +776,51 @@ class Placement:
         opts.update(_device_request(self.plan.resource, share))
         # Ray leaves the visible devices alone: each actor picks its device by the slot's id
         env = {**accelerator_named(self.plan.accelerator).ray_actor_env(), **(env or {})}
+        if self.plan.address is not None:  # a cluster: the actors run from the driver's folder
+            env[DRIVER_DIR_ENV] = os.getcwd()
         if env:
             opts["runtime_env"] = {"env_vars": env}
         return opts
 
     def trainer_options(self, rank: int) -> dict[str, Any]:
         """Rank ``rank``'s actor options; its process starts with the plan's thread
-        environment (Ray would otherwise set ``OMP_NUM_THREADS`` to its CPU share)."""
+        environment (Ray would otherwise set ``OMP_NUM_THREADS`` to its CPU share) and, on a
+        cluster, its node's address (``TITAN_NODE_IP``: its gloo groups listen there)."""
         threads = self.plan.threads
-        env = threads.env(threads.trainer) if threads is not None else None
-        return self._options(self.slots[rank], self.plan.trainer_share, env)
+        env = dict(threads.env(threads.trainer)) if threads is not None else {}
+        slot = self.slots[rank]
+        if self.plan.address is not None and slot.node_ip:
+            env[NODE_IP_ENV] = slot.node_ip
+        return self._options(slot, self.plan.trainer_share, env or None)
+
+    def engine_node(self, index: int) -> RayNode | None:
+        """The Ray node engine ``index`` runs on (None: not known)."""
+        return self.slots[self.plan.engine_slots(index)[0]].node
+
+    def engines_apart(self) -> list[str]:
+        """The engines on a node that holds no trainer rank, in words ("engine 0 on
+        127.0.0.3"): they cannot open what a trainer shares in its node's memory."""
+        trainer_nodes = {s.node_ip for s in self.slots[: self.plan.trainer_processes]}
+        apart = []
+        for i in range(self.plan.num_engines):
+            node = self.engine_node(i)
+            if node is not None and node.ip not in trainer_nodes:
+                apart.append(f"engine {i} on {node.ip}")
+        return apart
+
+    def watch(self) -> NodeWatch:
+        """A watch of the nodes this placement's actors are on."""
+        held: dict[str, list[str]] = {}
+        node_of: dict[str, RayNode] = {}
+        for rank in range(self.plan.trainer_processes):
+            if (node := self.slots[rank].node) is not None:
+                node_of[node.node_id] = node
+                held.setdefault(node.node_id, []).append(f"trainer rank {rank}")
+        for i in range(self.plan.num_engines):
+            if (node := self.engine_node(i)) is not None:
+                node_of[node.node_id] = node
+                held.setdefault(node.node_id, []).append(f"engine {i}")
+        return NodeWatch({node_of[k]: v for k, v in held.items()})
 
     def trainer_local_rank(self, rank: int) -> int:
         """The device a rank uses on its node (its rank on CPU bundles)."""
@@ -721,6 +836,7 @@ class Placement:
                     actor_options=self._options(slot, ENGINE_SHARE),
                     base_gpu_id=slot.device,
                     bind_node_ip=self.plan.address is not None,
+                    node=slot.node,
                 )
             )
         return out
@@ -738,20 +854,43 @@ class Placement:
         remove_placement_group(self.pg)
 
 
+def _check_role_resources(plan: PlacementPlan, cluster: Mapping[str, float]) -> None:
+    """ConfigError naming the ``ray.*_resources`` key whose resource the cluster lacks (a
+    placement group asking for it would wait for ever)."""
+    needs: dict[str, float] = {}
+    keys: dict[str, str] = {}
+    for key, asked, count in (
+        ("ray.trainer_resources", plan.trainer_resources, plan.trainer_processes),
+        ("ray.engine_resources", plan.engine_resources, plan.engine_bundles),
+    ):
+        for name, amount in asked.items():
+            needs[name] = needs.get(name, 0.0) + amount * count
+            keys.setdefault(name, f"{key}.{name}")
+    for name, need in needs.items():
+        if cluster.get(name, 0.0) < need:
+            raise ConfigError(
+                f"{keys[name]}: the placement needs {need:g} {name} in all, and the Ray "
+                f"cluster has {cluster.get(name, 0.0):g}; start its nodes with ray start "
+                f"--resources '{{\"{name}\": N}}', or lower the amount"
+            )
+
+
 def reserve(plan: PlacementPlan) -> Placement:
     """Create the plan's placement group on the running Ray and wait until it is placed."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     kind = plan.resource or "CPU"
-    have = int(ray.cluster_resources().get(kind, 0))
+    cluster = ray.cluster_resources()
+    have = int(cluster.get(kind, 0))
     if have < plan.num_bundles:
         raise ConfigError(f"{_need(plan)}, but the Ray cluster has {have} {kind}")
-    pg = placement_group([dict(plan.bundle) for _ in range(plan.num_bundles)], strategy="PACK")
+    _check_role_resources(plan, cluster)
+    pg = placement_group(plan.bundles(), strategy="PACK")
     try:
         ray.get(pg.ready())
         slots = _probe(pg, plan) if plan.resource else [Slot(i) for i in range(plan.num_bundles)]
-        return Placement(plan, pg, slots)
+        return Placement(plan, pg, _with_nodes(pg, slots))
     except BaseException:
         remove_placement_group(pg)
         raise

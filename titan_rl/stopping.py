@@ -61,3 +61,19 @@ def stopped_line(
             state += f", last checkpoint {iteration_dir(root, saved)}"
         action = "resume from it" if saved is not None else "start over"
     return f"stopped by {signal_name(signum)} {where}; {state}; rerun the same command to {action}"
+
+
+def lost_line(error: Exception, completed: int, start: int, saved: int | None, root: Path) -> str:
+    """The one line a job whose engines were lost for good ends with: what was lost, where the
+    run stands, how to go on."""
+    where = f"at step {completed}" if completed > start else f"before step {start + 1} completed"
+    if saved is not None:
+        state = f"last checkpoint {iteration_dir(root, saved)}"
+        action = "resume from it"
+    else:
+        state, action = "nothing saved", "start over"
+    return (
+        f"stopped {where}: engines lost for good ({error}); {state}; rerun the same command "
+        f"to {action} once engines can start again (the node back, or ray.engine_resources "
+        "naming nodes that are up)"
+    )

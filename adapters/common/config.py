@@ -158,11 +158,28 @@ def titan_config_from_args(args: Any) -> GRPOConfig:
     overrides += list(getattr(args, "titan_overrides", None) or [])
     named = [f"{flag} -> {key}" for key, (flag, _) in flags.items() if "(default" not in flag]
     try:
-        return load_config(GRPOConfig, path, overrides)
+        cfg = load_config(GRPOConfig, path, overrides)
     except ConfigError as e:
         if not named:
             raise
         raise ConfigError(f"{e}\n(flags applied on top: {'; '.join(named)})") from None
+    _check_mooncake_agents(cfg)
+    return cfg
+
+
+def _check_mooncake_agents(cfg: GRPOConfig) -> None:
+    """``sync.transport=mooncake`` needs its agents named here: the GRPO job starts them
+    beside its engines when ``sync.mooncake.agents`` is empty, the adapters do not (the
+    framework may own the engines: miles' ``--rollout-external``)."""
+    if cfg.sync.transport == "mooncake" and not cfg.sync.mooncake.agents:
+        raise ConfigError(
+            "sync.transport=mooncake (miles' --update-weight-transfer-mode p2p) needs "
+            "sync.mooncake.agents in the slime / miles adapters: they start no Mooncake agent "
+            "beside the engines (only python -m titan_rl.grpo does); start `python -m "
+            "titan_rl.sync.mooncake_agent --engine-url ...` beside each engine and list their "
+            "URLs in the engines' order (--titan-override sync.mooncake.agents=[...]), or "
+            "choose another transport"
+        )
 
 
 def _data(args: Any) -> list[str]:

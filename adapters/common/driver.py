@@ -29,6 +29,10 @@ def prepare(args: Any) -> Any:
     if args.save:
         _check_writable(args.save, "--save")
     cfg = titan_config_from_args(args)
+    if cfg.ray != type(cfg.ray)():  # the Titan YAML's ray section: the GRPO job's placement
+        print("no effect here: the Titan YAML's ray section (ray.address, ray.*_resources): "
+              "the framework starts Ray and places its actors itself (--actor-num-nodes, "
+              "--rollout-num-gpus, ...)", flush=True)  # fmt: skip
     cfg = _without_local_only_kernels(args, cfg)
     mirror_config(args, cfg)
     _generated_flags(args, cfg)

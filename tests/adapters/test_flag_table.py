@@ -184,6 +184,21 @@ def test_num_rollout_is_the_lr_schedules_horizon(tmp_path: Path) -> None:
     assert (cfg.run.num_steps, cfg.pretrain_view(1).train.train_iters) == (7, 7)
 
 
+def test_mooncake_needs_its_agents_named_in_the_adapters() -> None:
+    """The GRPO job starts Mooncake agents beside its engines where ``sync.mooncake.agents`` is
+    empty; the adapters start none (the framework may own the engines): miles' p2p transfer
+    mode without them is refused naming the key, and works with them."""
+    from adapters.miles.arguments import parse_args
+
+    p2p = [*BASE, "--update-weight-transfer-mode", "p2p"]
+    with pytest.raises(ConfigError, match=r"sync\.mooncake\.agents in the slime / miles adapters"):
+        titan_config_from_args(parse_args(p2p))
+    agents = ["--titan-override", "sync.mooncake.agents=[http://127.0.0.1:30100]"]
+    cfg = titan_config_from_args(parse_args([*p2p, *agents]))
+    assert cfg.sync.transport == "mooncake"
+    assert cfg.sync.mooncake.agents == ["http://127.0.0.1:30100"]
+
+
 REFUSED = sorted(d for d, e in FLAG_TABLE.items() if isinstance(e, Refused))
 
 

@@ -6,6 +6,8 @@ a user can get wrong refused before anything starts, the custom reward imported 
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,12 @@ from pydantic import ValidationError
 
 from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import DataConfig, PretrainConfig, TrainFields
-from titan_rl.actors.config import EngineLaunch, EngineServerConfig, RolloutEnginesConfig
+from titan_rl.actors.config import (
+    EngineLaunch,
+    EngineServerConfig,
+    MooncakeAgentLaunch,
+    RolloutEnginesConfig,
+)
 from titan_rl.actors.server import build_command
 from titan_rl.config import MOVED_TRAIN_KEYS, GRPOConfig, RLDataConfig, RLTrainConfig
 from titan_rl.grpo import main
@@ -133,11 +140,54 @@ def test_each_transport_reads_its_own_section():
         (["sync.transport=disk"], r"sync\.transport=disk needs sync\.disk\.dir"),
         (["sync.transport=mooncake", "sync.mooncake.agents=[a, b]"],
          r"sync\.mooncake\.agents has 2 URLs for engines\.num_engines=1"),
+        (["sync.transport=mooncake", "sync.mooncake.agents=[a]", "sync.mooncake.buffer_bytes=8"],
+         r"sync\.mooncake\.buffer_bytes sizes the agents the GRPO job starts"),
     ],
 )  # fmt: skip
 def test_sync_mistakes_name_the_key(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         _cfg(*overrides)
+
+
+def test_mooncake_without_agents_starts_one_beside_each_engine(tmp_path, capsys):
+    """``sync.mooncake.agents`` empty (the default) is accepted: each engine's launch names the
+    agent its actor starts, a buffer region per trainer sender; given agents start none."""
+    mooncake = ("sync.transport=mooncake", "sync.bucket_bytes=1000")
+    cfg = _cfg(*mooncake, "engines.num_engines=2", "engines.router=true")
+    assert cfg.sync.mooncake.agents == [] and cfg.sync.mooncake.host == "auto"
+    agent = plan_placement(cfg, "cpu", None, None).engine.mooncake_agent
+    assert agent == MooncakeAgentLaunch(buffer_bytes=1000, protocol="tcp", device="")
+    # PP 2: two senders, a region each; sync.mooncake.buffer_bytes sizes it instead
+    pp2 = _cfg(*mooncake, "parallel.pipeline_model_parallel_size=2", "trainer.num_processes=2")
+    assert plan_placement(pp2, "cpu", None, None).engine.mooncake_agent.buffer_bytes == 2000
+    sized = _cfg(*mooncake, "sync.mooncake.buffer_bytes=4096", "sync.mooncake.protocol=rdma")
+    agent = plan_placement(sized, "cpu", None, None).engine.mooncake_agent
+    assert (agent.buffer_bytes, agent.protocol) == (4096, "rdma")
+    given = _cfg(*mooncake, "sync.mooncake.agents=[http://10.0.0.1:30100]")
+    assert plan_placement(given, "cpu", None, None).engine.mooncake_agent is None
+    assert plan_placement(_cfg(), "cpu", None, None).engine.mooncake_agent is None
+    # the command's checks accept it too
+    assert main(["--config", str(MATH), *mooncake, f"run.dir={tmp_path}", "--dry-run"]) == 0
+    assert "weight sync: mooncake" in capsys.readouterr().out
+
+
+def test_mooncake_host_auto_is_each_senders_node_address(monkeypatch):
+    from titan_core.net import NODE_IP_ENV, host_address
+    from titan_rl.sync.transports.mooncake import sender_host
+
+    for var in (NODE_IP_ENV, "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert sender_host("10.0.0.7") == "10.0.0.7"  # given: as is
+    monkeypatch.setitem(sys.modules, "ray", None)  # outside Ray
+    assert sender_host("auto") == host_address()
+    # in a Ray actor (a trainer rank): its node's IP, as Ray knows it
+    node = types.SimpleNamespace(get_node_ip_address=lambda: "10.1.2.3")
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True, util=node)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray)
+    assert sender_host("auto") == "10.1.2.3"
+    # TITAN_NODE_IP (the job sets it for its trainer ranks on a cluster) says it first
+    monkeypatch.setenv(NODE_IP_ENV, "127.0.0.1")
+    assert sender_host("auto") == "127.0.0.1"
 
 
 def test_the_machine_checks_the_sync_backend():

@@ -22,7 +22,7 @@ from titan_core.net import free_port
 from titan_rl.actors.config import EngineServerConfig
 from titan_rl.actors.server import ServerProcess
 from titan_rl.rollout import SGLangClient
-from titan_rl.sync import SyncConfig
+from titan_rl.sync import SyncConfig, WeightSync
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "sync" / "sync_worker.py")
@@ -383,7 +383,15 @@ def test_config_errors_say_what_to_do() -> None:
 
     with pytest.raises(ValueError, match=r"sync\.disk\.dir"):
         SyncConfig(transport="disk")
-    with pytest.raises(ValueError, match=r"sync\.mooncake\.agents"):
-        SyncConfig(transport="mooncake")
+    # mooncake without agents: the GRPO job starts them beside its engines; a sync without
+    # them (none given, none started) says how to get them
+    mooncake = SyncConfig(transport="mooncake")
+    with pytest.raises(ValueError, match=r"the GRPO job .* starts them.*sync\.mooncake\.agents"):
+        WeightSync(mooncake, ["http://127.0.0.1:1"], {})
+    with pytest.raises(ValueError, match=r"sync\.mooncake\.agents has 1 URLs for 2 engines"):
+        WeightSync(mooncake, ["http://127.0.0.1:1", "http://127.0.0.1:2"], {}, agents=["a"])
+    given = SyncConfig(transport="mooncake", mooncake={"agents": ["http://127.0.0.1:3"]})
+    with pytest.raises(ValueError, match=r"mooncake with sync\.mooncake\.agents empty"):
+        WeightSync(given, ["http://127.0.0.1:1"], {}, agents=["http://127.0.0.1:4"])
     with pytest.raises(ConfigError, match="bucket_byte"):
         load_config(SyncConfig, overrides=["bucket_byte=3"])

@@ -65,16 +65,15 @@ def initialize(cfg: PretrainConfig) -> tuple[Accelerator, DistEnv, int]:
     p = cfg.parallel
     address = None
     if not dist.is_initialized():
+        try:  # several nodes; or one rank told its node (a GRPO trainer rank on a Ray cluster)
+            address = node_address()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if address:  # every gloo group from here on: this one, megatron's, the weight sync's
+            bind_gloo(address)
         if env.world_size == 1:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        else:
-            try:
-                address = node_address()
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            if address:
-                bind_gloo(address)
         dist.init_process_group(
             backend=accel.communication_backend(),
             rank=env.rank,

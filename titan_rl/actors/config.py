@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from titan_core.config import Section
 from titan_rl.engine_settings import DEFAULTS, Dtype, check_chunked_prefill_size
+from titan_rl.nodes import RayNode
 
 EngineBackend = Literal["builtin", "sglang"]
 
@@ -111,6 +112,21 @@ class EngineServerConfig(Section):
         )
 
 
+class MooncakeAgentLaunch(Section):
+    """A Mooncake agent (titan_rl/sync/mooncake_agent.py) an engine's actor starts beside its
+    engine, on the engine's host (``sync.transport=mooncake`` without ``sync.mooncake.agents``,
+    in the GRPO job): its receive buffer and TransferEngine settings (frozen)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: the receive buffer, one region per trainer sender rank (``--buffer-bytes``)
+    buffer_bytes: int = Field(gt=0)
+    #: the TransferEngine's protocol (``sync.mooncake.protocol``)
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    #: the RDMA device ("": Mooncake's choice; ``sync.mooncake.device``)
+    device: str = ""
+
+
 class EngineLaunch(EngineServerConfig):
     """One engine server, resolved: what its actor runs, as is (frozen)."""
 
@@ -122,6 +138,8 @@ class EngineLaunch(EngineServerConfig):
     #: bind to the IP of the node Ray places the actor on (known only there): the driver of
     #: a job on an existing cluster may run on another node.
     bind_node_ip: bool = False
+    #: a Mooncake agent the actor starts beside the engine once it answers (None: none)
+    mooncake_agent: MooncakeAgentLaunch | None = None
 
     @model_validator(mode="after")
     def _check_backend(self) -> EngineLaunch:  # in place of EngineServerConfig's
@@ -139,6 +157,8 @@ class PlacedEngine:
 
     launch: EngineLaunch
     actor_options: dict[str, Any] | None = None
+    #: the Ray node it is placed on (None: not known, a floating actor)
+    node: RayNode | None = None
 
 
 class RouterConfig(Section):

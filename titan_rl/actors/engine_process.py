@@ -9,30 +9,44 @@ from __future__ import annotations
 
 from typing import Any
 
+from titan_core.net import NODE_IP_ENV
 from titan_rl.actors.config import EngineLaunch
-from titan_rl.actors.server import ServerProcess
+from titan_rl.actors.server import AgentProcess, ServerProcess
+from titan_rl.nodes import enter_driver_dir
 
 
 class RolloutEngine:
-    """One rollout server owned by a Ray actor: started, supervised (restarted if it dies), stopped.
+    """One rollout server owned by a Ray actor: started, supervised (restarted if it dies), stopped;
+    with the Mooncake agent its launch names (``mooncake_agent``) beside it, started once the
+    engine answers and stopped with it.
 
     Plain class so it can be used without Ray; ``RolloutEngineActor`` is its Ray actor.
     """
 
     def __init__(self, launch: EngineLaunch, name: str = "engine0") -> None:
+        enter_driver_dir()  # on a cluster: relative paths (the model, the logs) as the driver's
         if launch.bind_node_ip:  # reachable from the driver's node, wherever Ray placed it
             import ray
 
-            launch = launch.model_copy(update={"host": ray.util.get_node_ip_address()})
+            ip = ray.util.get_node_ip_address()  # its server, and its gloo groups, bind there
+            launch = launch.model_copy(update={"host": ip, "env": {**launch.env, NODE_IP_ENV: ip}})
         self.server = ServerProcess(launch, name=name)
+        self.agent = AgentProcess(self.server, f"{name}-agent") if launch.mooncake_agent else None
 
     def start(self) -> str:
         url = self.server.start(wait=True)
         self.server.watch()
+        if self.agent is not None:  # on the engine's host, once the engine answers
+            self.agent.start(wait=True)
+            self.agent.watch()
         return url
 
     def url(self) -> str:
         return self.server.url
+
+    def agent_url(self) -> str | None:
+        """The URL of the Mooncake agent beside the engine (None: the launch names none)."""
+        return None if self.agent is None else self.agent.url
 
     def pid(self) -> int | None:
         return self.server.pid
@@ -64,6 +78,8 @@ class RolloutEngine:
         return True
 
     def stop(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
         self.server.stop()
 
 

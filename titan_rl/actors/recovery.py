@@ -62,10 +62,12 @@ class EngineRecovery:
         timeout_s: float = 900.0,
         interval_s: float = 1.0,
         gave_up: Callable[[], list[str]] | None = None,
+        why_lost: Callable[[str], str | None] | None = None,
         supervision: Callable[[], dict[str, float]] | None = None,
         client: str = DEFAULT_CLIENT,
     ) -> None:
-        """``client``: the engine client's name (``engines.client``)."""
+        """``client``: the engine client's name (``engines.client``); ``why_lost``: why an
+        engine ``gave_up`` named is lost (None: its supervisor gave up)."""
         self.urls = list(urls)
         if not self.urls:
             raise ValueError("EngineRecovery needs at least one engine URL")
@@ -76,6 +78,7 @@ class EngineRecovery:
         self.timeout_s = timeout_s
         self.interval_s = interval_s
         self.gave_up = gave_up
+        self.why_lost = why_lost
         self.supervision = supervision
         self.accepted: frozenset[str] = frozenset()
         self.target = ""
@@ -186,12 +189,14 @@ class EngineRecovery:
 
     async def _check_down(self, down: list[str], now: float) -> None:
         lost = await asyncio.to_thread(self.gave_up) if self.gave_up is not None else []
+        gone = [u for u in down if u in lost]
+        if gone:
+            why = [(self.why_lost(u) if self.why_lost else None) for u in gone]
+            raise EngineLostError("; ".join(
+                w or f"engine {u} died and its supervisor gave up restarting it (max_restarts); "
+                "see the engine's log under <run.dir>/logs" for u, w in zip(gone, why, strict=True)
+            ))  # fmt: skip
         for u in down:
-            if u in lost:
-                raise EngineLostError(
-                    f"engine {u} died and its supervisor gave up restarting it (max_restarts); "
-                    "see the engine's log under <run.dir>/logs"
-                )
             if now - self._down_since[u] > self.timeout_s:
                 raise EngineLostError(
                     f"engine {u} has not answered for {now - self._down_since[u]:.0f}s "

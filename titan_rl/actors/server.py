@@ -234,3 +234,33 @@ class ServerProcess:
                 proc.wait(timeout=10.0)
             except subprocess.TimeoutExpired:
                 log.error("%s: pid %s still there 10s after SIGKILL", self.name, proc.pid)
+
+
+class AgentProcess(ServerProcess):
+    """The Mooncake agent beside an engine (titan_rl/sync/mooncake_agent.py; the engine's
+    launch names it: ``mooncake_agent``): on the engine's host and a free port there, its log
+    beside the engine's, and like the engine's server supervised (restarted if it dies, on
+    the same port), tied to the process that started it and stopped with its group.
+
+    It reaches its engine by URL at each load, so an engine restarted by its supervisor (same
+    URL) is loaded through the same agent."""
+
+    def __init__(self, engine: ServerProcess, name: str) -> None:
+        spec = engine.cfg.mooncake_agent
+        if spec is None:
+            raise ValueError(f"{engine.name}'s launch names no Mooncake agent")
+        super().__init__(engine.cfg.model_copy(update={"port": None}), name=name)
+        self.spec = spec
+        self.engine_url = engine.url
+
+    def command(self) -> list[str]:
+        cmd = [
+            sys.executable, "-m", "titan_rl.sync.mooncake_agent", "--engine-url", self.engine_url,
+            "--host", self.cfg.host, "--port", str(self.port),
+            "--buffer-bytes", str(self.spec.buffer_bytes), "--protocol", self.spec.protocol,
+        ]  # fmt: skip
+        if self.spec.device:
+            cmd += ["--device", self.spec.device]
+        if self.cfg.api_key:
+            cmd += ["--api-key", self.cfg.api_key]
+        return cmd

@@ -128,6 +128,22 @@ def fit_connections_to_fd_limit(max_connections: int) -> int:
     return max_connections
 
 
+def bind_weight_groups() -> None:
+    """With ``TITAN_NODE_IP`` (the GRPO job's engines on a Ray cluster: the node's address),
+    the gloo groups this engine joins (``/init_weights_update_group``) listen there, as the
+    trainer's node reaches it, not where the host name resolves (titan_core.parallel.nodes).
+    The TP ranks' own group keeps 127.0.0.1 (it names its device)."""
+    from titan_core.net import node_address
+    from titan_core.parallel.nodes import bind_gloo
+
+    try:
+        address = node_address()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    if address:
+        bind_gloo(address)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     validate(args)
@@ -141,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     from titan_rl.engine.core import Engine
     from titan_rl.engine.server import create_app
 
+    bind_weight_groups()
     try:
         engine = Engine(
             args.model_path, from_arguments(args), load_tokenizer=not args.skip_tokenizer_init

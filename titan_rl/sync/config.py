@@ -109,6 +109,17 @@ class SyncKeys(Section):
         """The chosen transport's section."""
         return getattr(self, self.transport)
 
+    def with_agents(self, agents: list[str]) -> SyncConfig:
+        """This config with the Mooncake agents the GRPO job started beside its engines (one
+        per engine, in their order) as ``sync.mooncake.agents``, which must be empty."""
+        if self.transport != "mooncake" or self.mooncake.agents:  # type: ignore[attr-defined]
+            raise ValueError(
+                "agents started beside the engines are for sync.transport=mooncake with "
+                f"sync.mooncake.agents empty (here: sync.transport={self.transport})"
+            )
+        mooncake = self.mooncake.model_copy(update={"agents": list(agents)})  # type: ignore[attr-defined]
+        return self.model_copy(update={"mooncake": mooncake})
+
 
 #: the sync section: :class:`SyncKeys` and, for each transport of the table, its settings
 #: section ``sync.<name>`` (its transport module's ``settings_class``)

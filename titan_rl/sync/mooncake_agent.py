@@ -8,6 +8,7 @@ and after the trainer has written a bucket into it, hands it to the engine's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -90,7 +91,9 @@ def serve(agent: Agent, host: str, port: int) -> ThreadingHTTPServer:
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            # a health probe reads the status line and hangs up
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                self.wfile.write(body)
 
         def do_GET(self) -> None:  # noqa: N802
             if self.path in ("/info", "/health"):

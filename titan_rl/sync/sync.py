@@ -87,11 +87,16 @@ class WeightSync:
         device: torch.device | None = None,
         supervised: bool = False,
         client: str = DEFAULT_CLIENT,
+        agents: list[str] | None = None,
     ) -> None:
-        """``client``: the engine client's name (``engines.client``)."""
+        """``client``: the engine client's name (``engines.client``); ``agents``: the Mooncake
+        agents the GRPO job started beside the engines, one per engine in their order
+        (``sync.transport=mooncake`` with ``sync.mooncake.agents`` empty)."""
         if not engine_urls:
             raise ValueError("WeightSync needs at least one engine URL")
-        problem = cfg.settings.engines_problem(len(engine_urls))
+        if agents is not None:
+            cfg = cfg.with_agents(agents)
+        problem = cfg.settings.connect_problem(len(engine_urls))
         if problem:
             raise ValueError(problem)
         self.cfg = cfg

@@ -14,6 +14,7 @@ from titan_core.checkpoint.dist import unwrap
 from titan_core.net import free_port
 from titan_core.training.profiling import StepProfiler
 from titan_rl.config import GRPOConfig
+from titan_rl.nodes import enter_driver_dir
 from titan_rl.sync.sync import WeightSync
 from titan_rl.trainer.batch import RLBatch
 
@@ -25,6 +26,7 @@ class TrainerWorker:
     """One Megatron rank (plain class; ``TrainerGroup`` makes it a Ray actor)."""
 
     def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, local_rank: int) -> None:
+        enter_driver_dir()  # on a cluster: relative paths as the driver means them
         self._payload = cfg
         self.rank = rank
         self.world_size = world_size
@@ -93,8 +95,9 @@ class TrainerWorker:
     def save_hf(self, path: str) -> None:
         self.trainer.save_hf(path)
 
-    def connect_engines(self, urls: list[str]) -> None:
-        """Sync metrics come back from ``sync_weights``; the driver writes metrics.jsonl."""
+    def connect_engines(self, urls: list[str], agents: list[str] | None = None) -> None:
+        """Sync metrics come back from ``sync_weights``; the driver writes metrics.jsonl.
+        ``agents``: the Mooncake agents started beside the engines (WeightSync's)."""
         self._chunks = [unwrap(c) for c in self.trainer.model]
         self.sync = WeightSync(
             self.cfg.sync,
@@ -104,6 +107,7 @@ class TrainerWorker:
             device=self.trainer.accel.device(),
             supervised=True,  # a dead engine is restarted and resynced (actors/recovery.py)
             client=self.cfg.engines.client,
+            agents=agents,
         )
 
     def sync_weights(self, step: int) -> dict[str, float]:
@@ -143,6 +147,8 @@ class TrainerWorker:
         return self.trainer.resume()
 
     def shutdown(self) -> None:
+        if not hasattr(self, "trainer"):  # its setup did not complete: nothing was built
+            return
         self.shutdown_profiler()
         if self.sync is not None:
             self.sync.close()
@@ -199,8 +205,10 @@ class TrainerGroup:
     def save_hf(self, path: str) -> None:
         self._all("save_hf", path)
 
-    def connect_engines(self, urls: list[str]) -> None:
-        self._all("connect_engines", urls)
+    def connect_engines(self, urls: list[str], agents: list[str] | None = None) -> None:
+        """Every rank's weight sync to the engines at ``urls`` (``agents``: the Mooncake
+        agents started beside them, in their order; None: none started)."""
+        self._all("connect_engines", urls, agents)
 
     def sync_weights(self, step: int) -> dict[str, float]:
         return self._all("sync_weights", step)[0]

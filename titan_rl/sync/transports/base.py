@@ -76,6 +76,12 @@ class TransportSection(Section):
         config key that counts them, for the message)."""
         return None
 
+    def connect_problem(self, num_engines: int) -> str | None:
+        """What stops these settings from syncing to ``num_engines`` running engines, with
+        what the job started beside them filled in (:meth:`engines_problem`, and what only a
+        job can provide)."""
+        return self.engines_problem(num_engines)
+
     def machine_problem(self) -> str | None:
         """What this machine lacks to run the transport (its packages, its backends)."""
         return None
@@ -98,6 +104,9 @@ class Transport(ABC):
     #: True when ``send`` of the next bucket may start before the previous one is applied
     #: (at most two in flight: the transport double-buffers its staging memory).
     pipelined = False
+    #: True when the engines open what a sender shares in its node's memory (shared memory,
+    #: CUDA / MUSA IPC handles): they must run on a node with trainer ranks.
+    same_node = False
 
     def __init__(self, settings: TransportSection, device: torch.device, timeout_s: float) -> None:
         """``settings``: its section; ``timeout_s``: ``sync.timeout_s``, what one call to an

@@ -11,7 +11,7 @@ import torch
 from pydantic import Field
 
 from titan_core.accelerator import get_accelerator
-from titan_core.net import free_port, host_address
+from titan_core.net import free_port, host_address, node_address
 from titan_rl.sync.transports.base import Engine, Failures, Transport, TransportSection, each_engine
 from titan_rl.sync.transports.staging import Staging
 from titan_rl.wire.bucket import NamedTensors, bucket_nbytes, dtype_name, flatten_into
@@ -23,7 +23,8 @@ class DistributedSync(TransportSection):
     each EP rank sending its experts) with every engine; one broadcast per bucket."""
 
     #: the address each sender hosts its group's rendezvous on, as the engines reach it;
-    #: "auto": each sender host's own address (senders on several hosts).
+    #: "auto": each sender's own node address (senders on several hosts; what a GRPO job on
+    #: a Ray cluster, ``ray.address``, uses when this is left unset).
     master_address: str = "127.0.0.1"
     #: rendezvous port of sender 0 (sender i: this + i); 0 picks free ones.
     master_port: int = Field(0, ge=0, lt=65536)
@@ -102,7 +103,9 @@ class DistributedTransport(Transport):
         if not engines:
             return {}
         where = self.where
-        address = host_address() if where.master_address == "auto" else where.master_address
+        address = where.master_address
+        if address == "auto":  # this sender's node: the one Ray placed it on, else the host's
+            address = node_address() or host_address()
         port = where.master_port + self.sender.index if where.master_port else 0
         port = port or free_port(address)
         world = 1 + sum(max(e.tp_size, 1) for e in engines)

@@ -65,6 +65,7 @@ class TensorTransport(Transport):
         "on GPU)"
     )
     pipelined = True
+    same_node = True
     #: direct format: staged tensors start at multiples of this (their views need no copy).
     ALIGN = 64
     #: direct format: event-loop turns the HTTP client is given to write the requests of a
