@@ -113,6 +113,11 @@ class NodeWatch:
             self.on_lost(self.describe(node))
         return found
 
+    def known_lost(self) -> dict[RayNode, str]:
+        """The nodes found lost so far, without checking now (the watch thread checks)."""
+        with self._lock:
+            return dict(self._lost)
+
     def describe(self, node: RayNode) -> str:
         """``node``, why it counts as lost and what of the job was on it, in words."""
         why = self._lost.get(node, "not checked")

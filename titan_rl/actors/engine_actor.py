@@ -124,14 +124,17 @@ class RolloutEngineGroup:
             line += f"; router at {self.router.url} listing {', '.join(listed)}"
         return line
 
-    def _lost_nodes(self) -> dict[RayNode, str]:
-        return self.watch.lost() if self.watch is not None else {}
+    def _lost_nodes(self, check: bool = False) -> dict[RayNode, str]:
+        """The engines' lost nodes: as the watch last found them, or ``check``ed now."""
+        if self.watch is None:
+            return {}
+        return self.watch.lost() if check else self.watch.known_lost()
 
-    def _ask(self, method: str) -> list[Any]:
+    def _ask(self, method: str, check: bool = False) -> list[Any]:
         """``method`` of every engine's actor: its answer, :data:`DIED` for an actor Ray
         reports dead, None for one that does not answer now (not asked at all on a lost node:
-        the call would only wait)."""
-        lost = self._lost_nodes()
+        the call would only wait; ``check``: the nodes checked first)."""
+        lost = self._lost_nodes(check)
         refs = [
             None if placed.node in lost else getattr(actor, method).remote()
             for placed, actor in zip(self.engines, self.actors, strict=True)
@@ -157,7 +160,7 @@ class RolloutEngineGroup:
     def gave_up(self) -> list[str]:
         """URLs of the engines lost for good: their supervisor stopped restarting them, their
         node is lost, or their actor died; why each is in :attr:`lost_why`."""
-        lost_nodes = self._lost_nodes()
+        lost_nodes = self._lost_nodes(check=True)  # asked when an engine does not answer
         answers = self._ask("gave_up")
         for i, (placed, url, answer) in enumerate(
             zip(self.engines, self.urls, answers, strict=True)
