@@ -131,4 +131,6 @@ def _last_checkpoint(cfg: PretrainConfig) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from titan_core.process_exit import exit_process
+
+    exit_process(main())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -131,6 +132,37 @@ def test_a_save_out_of_space_removes_its_partial_folder(tmp_path, monkeypatch):
     assert "no space left" in str(e.value) and str(iteration_dir(root, 6)) in str(e.value)
     assert not iteration_dir(root, 6).exists()
     assert not (root / TRACKER).exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 200 KiB file system (tmpfs): a checkpoint of the tiny model does not fit."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if made.returncode:
+        pytest.skip(f"a small tmpfs needs mount (root): {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_disk_is_said_and_its_partial_folder_removed(tmp_path, small_disk):
+    """A file system that fills up during the save: torch's shard writer says only
+    "unexpected pos" (no ENOSPC reaches the caller), and the error is a BaseException; the
+    command still names the full disk and the folder, and leaves no partial save behind."""
+    save = small_disk / "ckpt"
+    proc = run_pretrain(
+        TINY,
+        [*FAST, "train.train_iters=2", "train.lr_warmup_iters=0", f"run.dir={tmp_path / 'run'}",
+         f"checkpoint.save={save}"],
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = next(s for s in proc.stderr.splitlines() if s.startswith("error: saving iteration 2"))
+    assert f"to {iteration_dir(save, 2)} failed: no space left on the device" in line, line
+    assert "the partial folder was removed" in line
+    assert not iteration_dir(save, 2).exists() and not (save / TRACKER).exists()
 
 
 def test_nothing_loadable_is_one_error_line(run):

@@ -20,6 +20,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -98,12 +99,18 @@ def _node_b_args(cluster: Cluster) -> list[str]:
     ]  # fmt: skip
 
 
+#: where ``ray start --head`` records its address, which a plain ``ray.init()`` (address
+#: "auto") then joins: restored after the test, so nothing after it meets a dead cluster
+CURRENT_CLUSTER = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     env = {k: v for k, v in os.environ.items() if k not in ("TITAN_CONFIG", "RAY_ADDRESS")}
     env |= {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     port = free_port(HOST_A)
     c = Cluster(f"{HOST_A}:{port}", env, time.time())
+    before = CURRENT_CLUSTER.read_text() if CURRENT_CLUSTER.is_file() else None
     try:
         _start_node(
             ["--head", "--node-ip-address", HOST_A, "--port", str(port), "--num-cpus", "2",
@@ -113,6 +120,10 @@ def cluster() -> Iterator[Cluster]:
         yield c
     finally:
         _kill_all(c)
+        if before is not None:
+            CURRENT_CLUSTER.write_text(before)
+        else:
+            CURRENT_CLUSTER.unlink(missing_ok=True)
 
 
 def _command(cluster: Cluster, base: Path, run_dir: Path, *overrides: str) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+import queue
 import shutil
 import sys
 import warnings
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint import megatron_lm
@@ -169,6 +171,23 @@ def _full_state(
     return state
 
 
+def _in_process_write_results() -> None:
+    """Give megatron's checkpoint writer an in-process queue for its write results.
+
+    ``FileSystemWriterAsync`` hands the files' write results to the saving process through a
+    queue it makes once per process: a spawn-context ``multiprocessing.Manager``'s, so that
+    an async save's persistent worker process can reach it. That Manager is a fresh
+    interpreter which imports torch to unpickle the results (each process's first save
+    waits 1-3 s for it, more on a busy machine) and is joined at exit (~1 s). Titan saves
+    synchronously (``AsyncRequest.execute_sync``): the results are put and read in this
+    process, so a thread-safe in-process queue carries them, and an error raised while
+    writing arrives as the exception object itself."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 @megatron_scope()
 def save_checkpoint(
     root: str | Path,
@@ -199,15 +218,15 @@ def save_checkpoint(
     # a release checkpoint (converted weights) is iteration 0 to Megatron-LM
     state.update(megatron_lm.common_state(max(iteration, 0), chunk, optimizer, common))
     state["common"] = {k: v for k, v in common.items() if k != "scheduler"}
+    _in_process_write_results()
     try:
         dist_checkpointing.save(state, str(path), content_metadata=metadata)
-    except Exception as e:
-        os_error = _os_error(e)
-        if os_error is None:
+    except (Exception, CheckpointException) as e:  # torch's is a BaseException
+        what = _disk_failure(e, path)
+        if what is None:
             raise
         # the partial folder would hold the space a retry needs, and is never loaded
         shutil.rmtree(path, ignore_errors=True)
-        what = "no space left on the device" if os_error.errno == errno.ENOSPC else os_error
         raise CheckpointError(
             f"saving iteration {iteration} to {path} failed: {what}; the partial folder was "
             f"removed, the previous checkpoint under {root} is intact. Free space there (or "
@@ -249,14 +268,53 @@ def _drop_unretained(root: Path, previous: int | None, current: int, interval: i
         shutil.rmtree(folder, ignore_errors=True)
 
 
+#: free bytes below which a file system that failed a save counts as full
+FULL_BELOW_BYTES = 16 << 20
+
+
 def _os_error(e: BaseException | None) -> OSError | None:
-    """The OSError behind ``e`` (dist_checkpointing wraps the writers' errors)."""
+    """The OSError behind ``e``: dist_checkpointing wraps the writers' errors, and torch's
+    CheckpointException carries each rank's in ``failures``."""
     seen = 0
     while e is not None and seen < 10:
         if isinstance(e, OSError):
             return e
+        for exc, _trace in getattr(e, "failures", {}).values():
+            if (found := _os_error(exc)) is not None:
+                return found
         e, seen = e.__cause__ or e.__context__, seen + 1
     return None
+
+
+def _disk_failure(e: BaseException, path: Path) -> str | None:
+    """What the disk did to a failed save, in words; None: not the disk.
+
+    A full file system does not always come back as ENOSPC: torch's shard writer reports a
+    short write as ``[enforce fail at inline_container.cc] unexpected pos ...``. So a save
+    that failed while the file system holding it has (almost) nothing free counts as full."""
+    os_error = _os_error(e)
+    if os_error is not None and os_error.errno != errno.ENOSPC:
+        return str(os_error)
+    if os_error is not None:
+        return "no space left on the device"
+    try:
+        free = shutil.disk_usage(path if path.exists() else path.parent).free
+    except OSError:
+        return None
+    if free < FULL_BELOW_BYTES:
+        return (
+            f"no space left on the device ({free} bytes free after the writer failed: {_said(e)})"
+        )
+    return None
+
+
+def _said(e: BaseException) -> str:
+    """``e`` in one line (a CheckpointException: its first rank's error)."""
+    failures = getattr(e, "failures", {})
+    if failures:
+        e = next(iter(failures.values()))[0]
+    lines = str(e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
 
 
 def _prune(root: Path, keep_last: int, current: int) -> None:

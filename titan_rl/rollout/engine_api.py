@@ -37,15 +37,17 @@ class RetryPolicy:
     (the last one at the deadline), and at most ``max_retries`` extra attempts when set.
 
     The window, not a count, is what must cover a server's restart: with the backoff growing
-    to ``max_backoff_s``, five retries are over in ~6 s, long before a restarted engine
+    to ``max_backoff_s``, five retries are over in ~3 s, long before a restarted engine
     answers (~20 s for the built-in engine on 2 busy cores, minutes for SGLang loading a
-    large model).
+    large model). The backoff stops growing at 1 s: a request waiting out a restart is sent
+    again within a second of the engine serving (at 5 s its rollout idled up to 5 s more),
+    and a retry that finds the port closed costs the engine nothing.
     """
 
     timeout_s: float = 60.0
     max_retries: int | None = None
     initial_backoff_s: float = 0.2
-    max_backoff_s: float = 5.0
+    max_backoff_s: float = 1.0
     multiplier: float = 2.0
     jitter: float = 0.2
 
