@@ -165,6 +165,20 @@ class Driver:
         self.progress.completed, self.progress.sampler = step, sampler
         self.progress.carried = carried
 
+    @contextmanager
+    def recorded_if_engines_lost(
+        self, step: int, result: RolloutResult, metrics: dict[str, float]
+    ) -> Iterator[None]:
+        """Engines lost for good after the step's policy update finished (the engines'
+        wait after training, the sync): the step is recorded, with the ``metrics`` it got so
+        far, before the loss stops the run (its checkpoint is that step)."""
+        try:
+            yield
+        except EngineLostError:
+            if self.progress.completed == step:
+                self.record(step, result, metrics)
+            raise
+
     def sync(self, step: int) -> dict[str, float]:
         """The new weights to every engine (their version: the step)."""
         with self.timer.phase("sync"):

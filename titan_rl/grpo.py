@@ -118,10 +118,12 @@ def _train(driver: Driver) -> None:
         result = driver.rollout(step)  # None: a stop signal abandoned the step
         if result is None:
             break
-        with driver.colocation.around_training(driver.timer):  # colocated: release / resume
-            metrics = driver.train(step, result)
-        metrics |= driver.sync(step)
-        metrics |= driver.evaluate(step)
+        metrics: dict[str, float] = {}
+        with driver.recorded_if_engines_lost(step, result, metrics):
+            with driver.colocation.around_training(driver.timer):  # colocated: release / resume
+                metrics |= driver.train(step, result)
+            metrics |= driver.sync(step)
+            metrics |= driver.evaluate(step)
         driver.record(step, result, metrics)
         driver.save(step)
 
