@@ -109,10 +109,12 @@ class RolloutEngineGroup:
         return ray.get([a.agent_url.remote() for a in self.actors])
 
     def describe(self) -> str:
-        """Where the engines serve, in one line (after :meth:`start`): each URL and node, the
-        Mooncake agents beside them, and the router's address and the URLs it lists."""
+        """Where the engines serve, in one line (after :meth:`start`): each URL (and its node
+        on a cluster, where it binds the node's address), the Mooncake agents beside them,
+        and the router's address and the URLs it lists."""
         where = [
-            f"engine {i} at {url}" + (f" on node {placed.node}" if placed.node else "")
+            f"engine {i} at {url}"
+            + (f" on node {placed.node}" if placed.node and placed.launch.bind_node_ip else "")
             for i, (placed, url) in enumerate(zip(self.engines, self.urls, strict=True))
         ]
         line = "engines: " + ", ".join(where)
