@@ -716,12 +716,10 @@ def _probe(pg: Any, plan: PlacementPlan) -> list[Slot]:
         for i in range(plan.num_bundles)
     ]
     found = [Slot(i, ip, dev) for i, (ip, dev) in enumerate(ray.get(refs))]
-    if not plan.by_role:  # every bundle alike: rank r on the r-th device by (node, id)
-        return sorted(found, key=lambda s: (s.node_ip, s.device))
-    # the trainer's and the engines' bundles ask for different nodes: ordered apart
-    n = plan.trainer_processes
-    order = lambda slots: sorted(slots, key=lambda s: (s.node_ip, s.device))  # noqa: E731
-    return order(found[:n]) + order(found[n:])
+    # rank r on the r-th device by (node, id); where the trainer's and the engines' bundles
+    # ask for different nodes (by_role), each role's bundles are ordered among themselves
+    engine = lambda s: plan.by_role and s.bundle >= plan.trainer_processes  # noqa: E731
+    return sorted(found, key=lambda s: (engine(s), s.node_ip, s.device))
 
 
 def _with_nodes(pg: Any, slots: list[Slot]) -> list[Slot]:
@@ -810,17 +808,14 @@ class Placement:
 
     def watch(self) -> NodeWatch:
         """A watch of the nodes this placement's actors are on."""
-        held: dict[str, list[str]] = {}
-        node_of: dict[str, RayNode] = {}
+        held: dict[RayNode, list[str]] = {}
         for rank in range(self.plan.trainer_processes):
             if (node := self.slots[rank].node) is not None:
-                node_of[node.node_id] = node
-                held.setdefault(node.node_id, []).append(f"trainer rank {rank}")
+                held.setdefault(node, []).append(f"trainer rank {rank}")
         for i in range(self.plan.num_engines):
             if (node := self.engine_node(i)) is not None:
-                node_of[node.node_id] = node
-                held.setdefault(node.node_id, []).append(f"engine {i}")
-        return NodeWatch({node_of[k]: v for k, v in held.items()})
+                held.setdefault(node, []).append(f"engine {i}")
+        return NodeWatch(held)
 
     def trainer_local_rank(self, rank: int) -> int:
         """The device a rank uses on its node (its rank on CPU bundles)."""

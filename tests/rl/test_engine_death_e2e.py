@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.procs import command_lines
 from titan_core.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -31,13 +32,9 @@ def _engines(run_dir: Path) -> list[tuple[int, str]]:
     """(pid, url) of the run's engine servers, from their command lines."""
     hf_start = str(run_dir / "hf_start")
     found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, args in command_lines():
         if "titan_rl.engine" in args and hf_start in args:
-            found.append((int(proc.name), f"http://127.0.0.1:{args[args.index('--port') + 1]}"))
+            found.append((pid, f"http://127.0.0.1:{args[args.index('--port') + 1]}"))
     return sorted(found, key=lambda x: x[1])
 
 

@@ -28,6 +28,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.procs import command_lines
 from titan_core.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -44,13 +45,9 @@ SHORT_STOP_S = 8.0
 def _engine(run_dir: Path) -> tuple[int, str] | None:
     """(pid, url) of the run's engine server, from its command line."""
     hf_start = str(run_dir / "hf_start")
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, args in command_lines():
         if "titan_rl.engine" in args and hf_start in args:
-            return int(proc.name), f"http://127.0.0.1:{args[args.index('--port') + 1]}"
+            return pid, f"http://127.0.0.1:{args[args.index('--port') + 1]}"
     return None
 
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from tests.procs import command_lines
 from titan_core.training.metrics import read_metrics
 
 pytestmark = [
@@ -32,14 +33,10 @@ READY = re.compile(r"mooncake agent ready on (http://\S+) -> (http://\S+)")
 def _agents_serving(engine_urls: set[str]) -> list[int]:
     """Pids of the Mooncake agents running for any of ``engine_urls``."""
     found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            args = (proc / "cmdline").read_bytes().decode().split("\0")
-        except (OSError, ValueError):
-            continue
+    for pid, args in command_lines():
         agent = "titan_rl.sync.mooncake_agent" in args and "--engine-url" in args
         if agent and args[args.index("--engine-url") + 1] in engine_urls:
-            found.append(int(proc.name))
+            found.append(pid)
     return found
 
 
