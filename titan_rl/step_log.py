@@ -113,11 +113,15 @@ def status_line(rec: dict[str, Any], total: int) -> str:
             f"engines restarted {rec['engines/restarts']} / resynced {rec['engines/resyncs']:.0f}"
             f" / stale samples {rec['rollout/stale_samples']}"
         )
-    parts.append(
-        f"time {rec['time/step']:.2f}s (rollout {rec['time/rollout']:.2f} / "
-        f"train {rec['time/train']:.2f} / sync {rec['time/sync']:.2f})"
-    )
+    phases = " / ".join(f"{name} {_seconds(rec, name)}" for name in ("rollout", "train", "sync"))
+    parts.append(f"time {rec['time/step']:.2f}s ({phases})")
     return " | ".join(parts)
+
+
+def _seconds(rec: dict[str, Any], phase: str) -> str:
+    """A phase's seconds, or ``-`` for one the step never reached (engines lost before it)."""
+    value = rec.get(f"time/{phase}")
+    return "-" if value is None else f"{value:.2f}"
 
 
 def open_metrics(path: Path, resumed_step: int) -> MetricsWriter:

@@ -56,3 +56,12 @@ def test_single_turn_samples_add_nothing(tmp_path: Path) -> None:
     records = [rec, {**rec, "step": 2, "rollout/tool_use_rate": 0.25}]
     plot_rewards(records, tmp_path / "reward.png")
     assert (tmp_path / "reward.png").stat().st_size > 0
+
+
+def test_a_step_stopped_before_its_sync_has_a_status_line() -> None:
+    """Engines lost in the engines' wait after training: the step is recorded without a sync
+    time, and its line says so rather than failing the record."""
+    samples = [_sample(i) for i in range(4)]
+    measured = {"time/step": 1.0, "time/rollout": 0.5, "time/train": 0.4}
+    line = status_line(step_record(3, RolloutResult(samples, 1, 0, 0), measured), 10)
+    assert "(rollout 0.50 / train 0.40 / sync -)" in line
