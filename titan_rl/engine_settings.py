@@ -24,6 +24,11 @@ from typing import Any, Literal
 #: ``--dtype``: the weights' and the compute's; "auto": the checkpoint's
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
+#: ``--model-impl`` (SGLang's flag): "sglang", the engine's own forward of the model
+#: (titan_rl/engine/lean.py); "transformers", the HF model's; "auto", the engine's own where it
+#: runs the model, else transformers'
+ModelImpl = Literal["auto", "sglang", "transformers"]
+
 #: ``--chunked-prefill-size`` left unset: prompt tokens prefilled per scheduler iteration, what
 #: a short request or a decode step waits for behind another client's long prompt. Smaller
 #: chunks answer sooner but spread a large batch's admission over more iterations, each with a
@@ -51,6 +56,14 @@ class EngineSettings:
         default="auto",
         metadata=_help(
             "weights and compute (weight updates are cast to it); auto: the checkpoint's"
+        ),
+    )
+    model_impl: ModelImpl = field(
+        default="auto",
+        metadata=_help(
+            "the model's forward: sglang, the engine's own (the same modules and weights, "
+            "without transformers' per-call work: faster decode steps); transformers, the HF "
+            "model's; auto: the engine's own where it runs the model, else transformers'"
         ),
     )
     context_length: int | None = field(

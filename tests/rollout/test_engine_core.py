@@ -57,12 +57,22 @@ def hf_logprobs(
     return [lp[len(prompt) - 1 + j, tok].item() for j, tok in enumerate(output)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        (family, impl)
+        for family in ("llama", "qwen2", "qwen3", "qwen3_moe")
+        for impl in ("sglang", "transformers")  # the engine's own forward, and HF's
+    ],
+    ids=lambda p: "-".join(p),
+)
 def family_engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, make_model
 ):
-    path = make_model(tmp_path_factory.mktemp(request.param), request.param)
-    eng = Engine(str(path), num_threads=1)
+    family, impl = request.param
+    path = make_model(tmp_path_factory.mktemp(family), family)
+    eng = Engine(str(path), num_threads=1, model_impl=impl)
+    assert eng.runner.model_impl == impl
     yield eng
     eng.shutdown()
 
@@ -284,7 +294,8 @@ def test_prompt_longer_than_context_rejected(tiny_model: Path) -> None:
 
 def test_model_error_fails_its_requests_and_engine_keeps_serving(tiny_model: Path) -> None:
     eng = Engine(str(tiny_model), num_threads=1)
-    original = eng.model.forward
+    head = eng.model.lm_head  # every forward ends there, the engine's own and transformers'
+    original = head.forward
     calls = {"n": 0}
 
     def flaky(*args: object, **kwargs: object) -> object:
@@ -293,7 +304,7 @@ def test_model_error_fails_its_requests_and_engine_keeps_serving(tiny_model: Pat
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    eng.model.forward = flaky
+    head.forward = flaky
     try:
         spec = {"prompt": [4, 5], "params": {"max_new_tokens": 6, "ignore_eos": True}}
         failed = run_batch(eng, [spec])[0]

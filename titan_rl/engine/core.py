@@ -182,7 +182,9 @@ class Engine:
         check_tp(config, s.tp_size)
         self.tp_size = s.tp_size
         #: the model: this process's, or rank 0's over the TP workers (started first)
-        self.runner: Runner = start_runner(str(path), s.dtype, s.tp_size, torch.get_num_threads())
+        self.runner: Runner = start_runner(
+            str(path), s.dtype, s.tp_size, torch.get_num_threads(), s.model_impl
+        )
         self.model = self.runner.model
         self.config = self.model.config
         #: the experts each token is routed to, recorded for requests that ask for them

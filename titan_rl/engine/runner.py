@@ -15,17 +15,22 @@ checkpoint, and each rank copies its shard (:class:`~titan_rl.engine.tp.shard.Sp
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
+from titan_rl.engine.lean import LeanForward, lean_forward
 from titan_rl.engine.routing import RoutingRecorder
 from titan_rl.engine.sampling import RequestError
 from titan_rl.engine.tp.shard import Reduce, Split, expert_splits, shard_model
 from titan_rl.engine.weights import Source, checkpoint_tensors, join_weight_update_group
+from titan_rl.engine_settings import ModelImpl
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 class Runner(Protocol):
@@ -146,9 +151,12 @@ class ModelRunner:
         splits: dict[str, Split] | None = None,
         rank: int = 0,
         size: int = 1,
+        model_impl: ModelImpl = "auto",
     ) -> None:
         self.model = model
         self.config = model.config
+        #: the forward the batch runs through: the engine's own, or transformers'
+        self.model_impl, self._run = _pick_forward(model, model_impl)
         self.rank, self.size = rank, size
         #: the experts each token is routed to, recorded for requests that ask for them
         self.routing = RoutingRecorder(model)
@@ -173,16 +181,34 @@ class ModelRunner:
 
         return new_cache(self.config, reserve)
 
-    def _forward(self, record: bool, input_ids: torch.Tensor, **kw: Any) -> tuple[Any, Any]:
-        """One forward, and its routed experts ``[B, L, layers, top_k]`` when ``record``."""
+    def _transformers(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids, cache=cache, use_cache=True, attention_mask=attention_mask,
+            position_ids=position_ids, logits_to_keep=logits_to_keep,
+        )  # fmt: skip
+        return out.logits
+
+    def _forward(
+        self, record: bool, input_ids: torch.Tensor, cache: Any, **kw: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward's logits, and its routed experts ``[B, L, layers, top_k]`` when
+        ``record``."""
+        run = self._run or self._transformers
         if not record:
-            return self.model(input_ids=input_ids, **kw), None
+            return run(input_ids, cache, **kw), None
         self.routing.start()
         try:
-            out = self.model(input_ids=input_ids, **kw)
+            logits = run(input_ids, cache, **kw)
         finally:
             routed = self.routing.stop(*input_ids.shape)
-        return out, routed
+        return logits, routed
 
     def prefill(
         self,
@@ -206,11 +232,9 @@ class ModelRunner:
             idx = torch.tensor(rows, dtype=torch.long)
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[idx], layer.values[idx]
-        out, routed = self._forward(
-            record, input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep
-        )
+        logits, routed = self._forward(record, ids, cache, logits_to_keep=logits_to_keep)
         self.partial[key] = cache  # not kept if the forward failed: its layers may disagree
-        return out.logits, routed
+        return logits, routed
 
     def keep_prefill(self, key: int, rows: list[int]) -> None:
         """Merge the rows ``rows`` of the prefilled prompts ``key`` into the running batch
@@ -246,17 +270,12 @@ class ModelRunner:
     def decode(self, ids: torch.Tensor, record: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of the running batch (``ids``: ``[B, 1]``); the last logits."""
         mask = torch.cat([self.mask, torch.ones(ids.shape[0], 1, dtype=torch.long)], dim=1)
-        out, routed = self._forward(
-            record,
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=self.pos.unsqueeze(1),
-            cache=self.cache,
-            use_cache=True,
+        logits, routed = self._forward(
+            record, ids, self.cache, attention_mask=mask, position_ids=self.pos.unsqueeze(1)
         )
         self.mask = mask
         self.pos = self.pos + 1
-        return out.logits[:, -1, :], routed
+        return logits[:, -1, :], routed
 
     def select_rows(self, keep: list[int]) -> None:
         """Keep the batch rows ``keep``; drop columns that are padding for every one left
@@ -384,11 +403,32 @@ class ModelRunner:
         """Nothing to stop: no other process."""
 
 
-def build_runner(model: torch.nn.Module, rank: int, size: int, reduce: Reduce) -> ModelRunner:
+def _pick_forward(model: torch.nn.Module, impl: ModelImpl) -> tuple[str, LeanForward | None]:
+    """``--model-impl``: ``sglang`` (the engine's own forward, titan_rl/engine/lean.py),
+    ``transformers`` (the HF model's forward) or ``auto`` (the engine's own where it runs the
+    model). Returns the one picked (``sglang`` / ``transformers``) and the own forward (None:
+    transformers'); ValueError where ``sglang`` cannot run the model."""
+    if impl == "transformers":
+        return "transformers", None
+    lean = lean_forward(model)
+    if isinstance(lean, LeanForward):
+        return "sglang", lean
+    if impl == "sglang":
+        raise ValueError(
+            f"--model-impl sglang: the engine's own forward cannot run this model ({lean}); "
+            "use --model-impl auto or transformers"
+        )
+    log.info("the engine's own forward cannot run this model (%s): transformers' runs it", lean)
+    return "transformers", None
+
+
+def build_runner(
+    model: torch.nn.Module, rank: int, size: int, reduce: Reduce, model_impl: ModelImpl = "auto"
+) -> ModelRunner:
     """Shard ``model`` for ``rank`` of ``size`` and wrap it in a runner."""
     full_shapes = {n: t.shape for n, t in checkpoint_tensors(model)[0].items()}
     splits = shard_model(model, rank, size, reduce)
-    return ModelRunner(model, full_shapes, splits, rank, size)
+    return ModelRunner(model, full_shapes, splits, rank, size, model_impl)
 
 
 __all__ = ["build_runner", "DTYPES", "ModelRunner", "NamedTensors", "Runner", "load_model"]

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from titan_rl.engine_settings import ModelImpl
+
 #: how long a TP rank waits for the others to form the group or to join an all-reduce
 GROUP_TIMEOUT = timedelta(minutes=30)
 
@@ -26,6 +28,8 @@ class WorkerSpec:
     size: int
     store_port: int
     num_threads: int
+    #: ``--model-impl``
+    model_impl: ModelImpl = "auto"
 
 
 class Comm:

@@ -35,6 +35,7 @@ from titan_rl.engine.runner import ModelRunner, NamedTensors, Runner, build_runn
 from titan_rl.engine.sampling import RequestError
 from titan_rl.engine.tp.comm import GROUP_TIMEOUT, Comm, WorkerSpec, recv, send, tp_group
 from titan_rl.engine.weights import Source, join_weight_update_group
+from titan_rl.engine_settings import ModelImpl
 from titan_rl.wire.group import destroy_weights_update_group
 
 log = logging.getLogger("titan_rl.engine.tp")
@@ -49,16 +50,18 @@ class TPError(RuntimeError):
     """A worker died or the ranks fell out of lockstep: the engine cannot serve any more."""
 
 
-def start_runner(model_path: str, dtype: str, tp_size: int, threads: int) -> Runner:
+def start_runner(
+    model_path: str, dtype: str, tp_size: int, threads: int, model_impl: ModelImpl = "auto"
+) -> Runner:
     """The engine's runner: this process's :class:`ModelRunner` at ``tp_size`` 1; else the N-1
     workers are started (each loads its shard while this rank loads its own), then rank 0's
     :class:`TPRunner` over them. ``threads``: each worker's torch threads."""
     if tp_size == 1:
-        return build_runner(load_model(model_path, dtype), 0, 1, Comm())
-    workers = Workers(model_path, dtype, tp_size, threads)
+        return build_runner(load_model(model_path, dtype), 0, 1, Comm(), model_impl)
+    workers = Workers(model_path, dtype, tp_size, threads, model_impl)
     try:
         comm = Comm()
-        local = build_runner(load_model(model_path, dtype), 0, tp_size, comm)
+        local = build_runner(load_model(model_path, dtype), 0, tp_size, comm, model_impl)
         workers.connect(comm)
     except BaseException:
         workers.close()
@@ -70,7 +73,9 @@ class Workers:
     """The worker processes of one engine (ranks 1..N-1), seen from rank 0: start-up,
     commands, answers, shutdown."""
 
-    def __init__(self, model_path: str, dtype: str, size: int, threads: int) -> None:
+    def __init__(
+        self, model_path: str, dtype: str, size: int, threads: int, model_impl: ModelImpl = "auto"
+    ) -> None:
         self.size = size
         self.broken: str | None = None
         self._store = dist.TCPStore(
@@ -79,7 +84,7 @@ class Workers:
         self._conns: list[Connection] = []
         self._procs: list[subprocess.Popen] = []
         for rank in range(1, size):
-            spec = WorkerSpec(model_path, dtype, rank, size, self._store.port, threads)
+            spec = WorkerSpec(model_path, dtype, rank, size, self._store.port, threads, model_impl)
             self._start(spec)
 
     def _start(self, spec: WorkerSpec) -> None:

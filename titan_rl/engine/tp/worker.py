@@ -132,7 +132,7 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     comm = Comm()
     try:
         model = load_model(spec.model_path, spec.dtype)
-        runner = build_runner(model, spec.rank, spec.size, comm)
+        runner = build_runner(model, spec.rank, spec.size, comm, spec.model_impl)
     except Exception as e:
         send(conn, ("error", f"{type(e).__name__}: {e}"))
         return

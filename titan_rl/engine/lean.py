@@ -1,0 +1,160 @@
+"""The engine's own forward (``--model-impl sglang``, SGLang's name for its native models):
+the loaded HF model's modules and weights, called without transformers' per-call machinery.
+
+A decode step of a small model on CPU is mostly Python: transformers' ``forward`` builds the
+attention mask, dispatches the attention interface, wraps every output in a dataclass and
+runs its decorators, for each of the step's few small matrix products. This forward calls the
+same submodules (embedding, norms, projections, rotary embedding, MLP or MoE block, LM head)
+in the same order, so their weights, tensor-parallel shards (titan_rl/engine/tp/shard.py) and
+hooks (the routing recorder) are the ones the transformers path uses; it computes attention
+itself: a decode step's one query per row as two batched products around a float32 softmax
+(what HF's eager attention computes), a prompt with ``scaled_dot_product_attention``.
+
+It serves the decoder families the engine serves (Llama, Qwen2, Qwen3, Qwen3-MoE: pre-norm
+layers, rotary attention with grouped KV heads, optional QK norms); :func:`lean_forward`
+says why it cannot run any other model, which then runs on transformers' forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: the attributes the forward reads from each decoder layer and its attention module
+_LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
+_ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanForward:
+    """``forward(input_ids, cache, attention_mask, position_ids, logits_to_keep)`` -> logits,
+    computing what the HF causal LM's forward with that cache computes."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.layers = list(inner.layers)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """The logits ``[B, keep, vocab]`` of the last ``logits_to_keep`` positions (0: all).
+
+        ``cache``: the running batch's (a DynamicCache whose layers are updated in place);
+        ``attention_mask`` ``[B, past + S]``: 0 at left padding (None: none);
+        ``position_ids`` ``[B, S]`` (None: following the cache's length)."""
+        bsz, seq = input_ids.shape
+        past = cache.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(past, past + seq).unsqueeze(0).expand(bsz, seq)
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        bias = self._attention_bias(attention_mask, past, seq, h.dtype)
+        for i, layer in enumerate(self.layers):
+            residual = h
+            x = layer.input_layernorm(h)
+            h = residual + self._attention(layer.self_attn, x, cos, sin, cache.layers[i], bias)
+            residual = h
+            out = layer.mlp(layer.post_attention_layernorm(h))
+            h = residual + (out[0] if isinstance(out, tuple) else out)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self.lm_head(self.norm(h))
+
+    @staticmethod
+    def _attention_bias(
+        mask: torch.Tensor | None, past: int, seq: int, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """An additive mask ``[B or 1, 1, S, past + S]``: -inf at left padding and, for a
+        prompt's positions, at later ones; None where nothing is masked (a decode step without
+        padding, or a prompt with nothing cached, which SDPA masks causally itself)."""
+        total = past + seq
+        keep = None
+        if mask is not None and not bool(mask.all()):
+            keep = mask.bool()[:, None, None, :total]
+        if seq > 1 and (past or keep is not None):
+            causal = torch.ones(seq, total, dtype=torch.bool).tril(diagonal=past)[None, None]
+            keep = causal if keep is None else keep & causal
+        if keep is None:
+            return None
+        return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, float("-inf"))
+
+    @staticmethod
+    def _attention(
+        attn: Any,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: Any,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        d = attn.head_dim
+        q = attn.q_proj(x).view(bsz, seq, -1, d)
+        k = attn.k_proj(x).view(bsz, seq, -1, d)
+        v = attn.v_proj(x).view(bsz, seq, -1, d).transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = layer_cache.update(k, v)
+        heads, kv_heads = q.shape[1], keys.shape[1]
+        if seq == 1:
+            # [B, kv, group, d] @ [B, kv, d, T]: query head h reads KV head h // group
+            qg = q.view(bsz, kv_heads, heads // kv_heads, d)
+            scores = torch.matmul(qg, keys.transpose(2, 3)) * attn.scaling
+            if bias is not None:
+                scores = scores + bias[:, :, 0:1, :]
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs, values).reshape(bsz, 1, heads * d)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=bias, is_causal=bias is None,
+                scale=attn.scaling, enable_gqa=heads != kv_heads,
+            )  # fmt: skip
+            out = out.transpose(1, 2).reshape(bsz, seq, heads * d)
+        return attn.o_proj(out)
+
+
+def lean_forward(model: torch.nn.Module) -> LeanForward | str:
+    """The engine's own forward over ``model``, or why it cannot run it (a sentence)."""
+    config = model.config
+    inner = getattr(model, "model", None)
+    for name in ("embed_tokens", "norm", "rotary_emb", "layers"):
+        if getattr(inner, name, None) is None:
+            return f"{type(model).__name__} has no model.{name}"
+    if getattr(model, "lm_head", None) is None:
+        return f"{type(model).__name__} has no lm_head"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "sliding-window attention"
+    for i, layer in enumerate(inner.layers):
+        missing = [p for p in _LAYER_PARTS if getattr(layer, p, None) is None]
+        attn = getattr(layer, "self_attn", None)
+        missing += [f"self_attn.{p}" for p in _ATTN_PARTS if getattr(attn, p, None) is None]
+        if missing:
+            return f"layer {i} ({type(layer).__name__}) has no {', '.join(missing)}"
+        if hasattr(attn, "q_norm") != hasattr(attn, "k_norm"):
+            return f"layer {i} normalises only one of queries and keys"
+        if getattr(attn, "sliding_window", None):
+            return f"layer {i} uses sliding-window attention"
+    return LeanForward(model)
+
+
+__all__ = ["LeanForward", "lean_forward"]
