@@ -77,3 +77,34 @@ def test_greedy_and_sampled_rows_share_a_batch() -> None:
     tokens, logprobs = sample(logits, params, [None, 7, 8], [0, 0, 0], torch.Generator())
     assert tokens[0] == 1 and tokens[2] == 2  # greedy, and the only token top-k 1 keeps
     assert torch.allclose(logprobs, torch.log_softmax(logits, dim=-1))
+
+
+def test_an_engines_batch_sampler_draws_what_a_fresh_sample_draws() -> None:
+    """The engine's sampler keeps a batch's per-row settings while its rows come back; step
+    by step, as rows leave and join, it draws exactly what :func:`sample` draws."""
+    from titan_rl.engine.sampling import BatchSampler
+
+    kinds = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_k=5),
+        SamplingParams(temperature=1.2, top_p=0.7),
+        SamplingParams(temperature=1.0, min_p=0.1),
+        SamplingParams(temperature=1.0),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(12)]
+    seeds = [None if i % 3 == 0 else 1000 + i for i in range(12)]
+    cached = BatchSampler(torch.Generator().manual_seed(5))
+    fresh = torch.Generator().manual_seed(5)
+    rows = list(range(12))
+    logits_gen = torch.Generator().manual_seed(1)
+    for step in range(8):
+        if step == 3:
+            rows = rows[2:]  # rows finished
+        if step == 6:
+            rows = [*rows, 0]  # a row joined
+        logits = torch.randn(len(rows), 40, generator=logits_gen) * 3
+        p, s, k = [params[r] for r in rows], [seeds[r] for r in rows], [step] * len(rows)
+        got_ids, got_lp = cached.sample(logits, p, s, k)
+        ref_ids, ref_lp = sample(logits, p, s, k, fresh)
+        assert torch.equal(got_ids, ref_ids)
+        assert torch.equal(got_lp, ref_lp)

@@ -48,7 +48,7 @@ from titan_core.models.hf.families import FAMILIES
 from titan_rl.engine.memory import Memory
 from titan_rl.engine.routing import encode_routed_experts
 from titan_rl.engine.runner import Runner
-from titan_rl.engine.sampling import GREEDY_EPS, RequestError, SamplingParams, sample
+from titan_rl.engine.sampling import GREEDY_EPS, BatchSampler, RequestError, SamplingParams
 from titan_rl.engine.tp.comm import threads_per_rank
 from titan_rl.engine.tp.leader import start_runner
 from titan_rl.engine.tp.shard import check_tp
@@ -205,7 +205,7 @@ class Engine:
         self.weight_version = s.weight_version
         self.eos_ids = self._eos_ids()
         self.tokenizer = self._load_tokenizer(path) if load_tokenizer else None
-        self._default_gen = torch.Generator().manual_seed(s.random_seed)
+        self._sampler = BatchSampler(torch.Generator().manual_seed(s.random_seed))
 
         self._pending: deque[_Waiting] = deque()  # round-robin order
         self._num_pending = 0
@@ -674,12 +674,11 @@ class Engine:
 
     def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         logits = self._adjust_logits(logits, seqs)
-        tokens, logprobs = sample(
+        tokens, logprobs = self._sampler.sample(
             logits,
             [s.params for s in seqs],
             [s.seed for s in seqs],
             [len(s.output_ids) for s in seqs],
-            self._default_gen,
         )
         want = [i for i, s in enumerate(seqs) if s.return_logprob]
         if want:

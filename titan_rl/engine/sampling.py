@@ -20,7 +20,7 @@ from titan_rl.engine.validation import RequestError, context_vocab_size, invalid
 
 GREEDY_EPS = 1e-6
 
-__all__ = ["RequestError", "SamplingParams", "parse_sampling_params", "sample"]
+__all__ = ["BatchSampler", "RequestError", "SamplingParams", "parse_sampling_params", "sample"]
 
 
 def _env_flag(name: str) -> bool:
@@ -194,6 +194,18 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
+    """The per-row keys :func:`uniform_from_keys` draws from (int64 seeds in [0, 2**63))."""
+    return _mix32(_mix32((seeds & _M32) ^ 0x9E3779B9) ^ (seeds >> 32))
+
+
+def uniform_from_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Draw ``steps[i]`` of the stream with key ``keys[i]`` (see :func:`seeded_uniform`)."""
+    hi = _mix32(keys ^ (steps & _M32))
+    lo = _mix32(hi ^ 0x85EBCA6B)
+    return ((hi << 21) + (lo >> 11)).double() / 2.0**53
+
+
 def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """One uniform draw in [0, 1) per row, a function of (``seeds[i]``, ``steps[i]``) only
     (int64 tensors; seeds in [0, 2**63), steps >= 0), with 53 random bits.
@@ -203,10 +215,7 @@ def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     and a whole batch is drawn in a few vectorised integer ops (a ``torch.Generator`` per
     row costs one multinomial call per row per step).
     """
-    key = _mix32(_mix32((seeds & _M32) ^ 0x9E3779B9) ^ (seeds >> 32))
-    hi = _mix32(key ^ (steps & _M32))
-    lo = _mix32(hi ^ 0x85EBCA6B)
-    return ((hi << 21) + (lo >> 11)).double() / 2.0**53
+    return uniform_from_keys(seed_keys(seeds), steps)
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -232,34 +241,97 @@ def sample(
     :func:`seeded_uniform`, so their samples do not depend on which other requests share the
     batch; the others draw from ``default_generator``.
     """
-    logits = logits.float()
-    bsz, vocab = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-    greedy = temps < GREEDY_EPS
-    scaled = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-    if RETURN_ORIGINAL_LOGPROB:
-        logprobs = torch.log_softmax(logits, dim=-1)
-    else:
-        logprobs = torch.log_softmax(scaled, dim=-1)
-    logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
-    next_ids = torch.empty(bsz, dtype=torch.long)
-    if greedy.any():
-        next_ids[greedy] = logits[greedy].argmax(dim=-1)
-    sampled = (~greedy).nonzero().flatten().tolist()
-    if sampled:
-        rows = torch.tensor(sampled)
-        probs = torch.softmax(scaled[rows], dim=-1)
+    return BatchSampler(default_generator).sample(logits, params, seeds, steps)
+
+
+class _RowSettings:
+    """A batch's per-row sampling settings as tensors, made once for its rows' ``params`` and
+    ``seeds`` (a decode batch keeps its rows for many steps)."""
+
+    def __init__(self, params: list[SamplingParams], seeds: list[int | None], vocab: int) -> None:
+        self.params, self.seeds, self.vocab = list(params), list(seeds), vocab
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        greedy = temps < GREEDY_EPS
+        #: the rows that sample (the others take the argmax); None: every row samples
+        self.greedy: torch.Tensor | None = greedy if bool(greedy.any()) else None
+        self.divisor = torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        sampled = (~greedy).nonzero().flatten().tolist()
+        self.sampled = sampled
+        self.rows = torch.tensor(sampled, dtype=torch.long)
         top_k = torch.tensor([params[i].top_k if params[i].top_k > 0 else vocab for i in sampled])
         top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float32)
         min_p = torch.tensor([params[i].min_p for i in sampled], dtype=torch.float32)
+        self.filters = None
         if bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0).any()):
-            probs = _filter_probs(probs, top_k, top_p, min_p)
-        u = torch.rand(len(sampled), dtype=torch.float64, generator=default_generator)
-        seeded = [j for j, i in enumerate(sampled) if seeds[i] is not None]
-        if seeded:
-            u[seeded] = seeded_uniform(
-                torch.tensor([seeds[sampled[j]] for j in seeded], dtype=torch.long),
-                torch.tensor([steps[sampled[j]] for j in seeded], dtype=torch.long),
-            )
-        next_ids[rows] = _inverse_cdf(probs, u)
-    return next_ids, logprobs
+            self.filters = (top_k, top_p, min_p)
+        #: positions (among the sampled rows) with a seed, and their keys
+        self.seeded = [j for j, i in enumerate(sampled) if seeds[i] is not None]
+        self.keys = seed_keys(
+            torch.tensor([seeds[sampled[j]] for j in self.seeded], dtype=torch.long)
+        )
+
+    def fits(self, params: list[SamplingParams], seeds: list[int | None], vocab: int) -> bool:
+        return (
+            vocab == self.vocab
+            and len(params) == len(self.params)
+            and all(a is b for a, b in zip(params, self.params, strict=True))
+            and seeds == self.seeds
+        )
+
+
+class BatchSampler:
+    """:func:`sample` for an engine's batches: the per-row settings of the last batch are kept
+    while the same rows come back (the same :class:`SamplingParams` objects and seeds), so a
+    decode step only draws."""
+
+    def __init__(self, default_generator: torch.Generator) -> None:
+        self.default_generator = default_generator
+        self._last: _RowSettings | None = None
+
+    def _settings(
+        self, params: list[SamplingParams], seeds: list[int | None], vocab: int
+    ) -> _RowSettings:
+        last = self._last
+        if last is None or not last.fits(params, seeds, vocab):
+            last = self._last = _RowSettings(params, seeds, vocab)
+        return last
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seeds: list[int | None],
+        steps: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :func:`sample`."""
+        logits = logits.float()
+        bsz, vocab = logits.shape
+        rs = self._settings(params, seeds, vocab)
+        scaled = logits / rs.divisor
+        if RETURN_ORIGINAL_LOGPROB:
+            logprobs = torch.log_softmax(logits, dim=-1)
+        else:
+            logprobs = torch.log_softmax(scaled, dim=-1)
+        logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
+        greedy = rs.greedy
+        if greedy is None:  # every row samples
+            next_ids = torch.empty(bsz, dtype=torch.long)
+            probs = torch.softmax(scaled, dim=-1)
+        else:
+            next_ids = torch.empty(bsz, dtype=torch.long)
+            next_ids[greedy] = logits[greedy].argmax(dim=-1)
+            if not rs.sampled:
+                return next_ids, logprobs
+            probs = torch.softmax(scaled[rs.rows], dim=-1)
+        if rs.filters is not None:
+            probs = _filter_probs(probs, *rs.filters)
+        u = torch.rand(len(rs.sampled), dtype=torch.float64, generator=self.default_generator)
+        if rs.seeded:
+            row_steps = torch.tensor([steps[rs.sampled[j]] for j in rs.seeded], dtype=torch.long)
+            u[rs.seeded] = uniform_from_keys(rs.keys, row_steps)
+        drawn = _inverse_cdf(probs, u)
+        if greedy is None:
+            next_ids = drawn
+        else:
+            next_ids[rs.rows] = drawn
+        return next_ids, logprobs
