@@ -19,6 +19,9 @@ class Accelerator(ABC):
     name: str = "abstract"
     #: torch device type used for tensors (``"cuda"``, ``"musa"``, ``"cpu"``).
     device_type: str = "cpu"
+    #: tokens a training microbatch's length is rounded up to: a multiple the GPUs' matrix
+    #: units tile well (8); a CPU gains nothing from padding, so 1 there.
+    sequence_multiple: int = 8
     #: environment variable that restricts visible devices, if the kind has one.
     visible_devices_env: str | None = None
     #: Ray's resource name for one device of this kind (placement-group bundles are one

@@ -91,6 +91,7 @@ def _host_memory() -> tuple[int, int]:
 class CpuAccelerator(Accelerator):
     name = "cpu"
     device_type = "cpu"
+    sequence_multiple = 1
 
     def is_available(self) -> bool:
         return True

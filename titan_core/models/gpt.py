@@ -25,6 +25,7 @@ from titan_core.config.loader import ConfigError
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.fp8 import cpu_emulation
 from titan_core.fp8.install import install_blockwise_fp8
+from titan_core.models.sdpa_attention import with_sdpa_attention
 
 
 def use_transformer_engine(cfg: PretrainConfig, accel: Accelerator) -> bool:
@@ -192,20 +193,24 @@ def build_transformer_config(
 def _layer_spec(cfg: PretrainConfig, tf: TransformerConfig, te: bool, vp_stage: int | None):
     m = cfg.model
     if m.num_moe_experts and m.moe_layer_freq != 1:
-        return get_gpt_decoder_block_spec(
+        block = get_gpt_decoder_block_spec(
             tf, use_transformer_engine=te, normalization=m.normalization, vp_stage=vp_stage
         )
+        return block if te else with_sdpa_attention(block)
     if te:
         return get_gpt_layer_with_transformer_engine_spec(
             num_experts=m.num_moe_experts,
             moe_grouped_gemm=m.moe_grouped_gemm,
             qk_layernorm=m.qk_layernorm,
         )
-    return get_gpt_layer_local_spec(
-        num_experts=m.num_moe_experts,
-        moe_grouped_gemm=m.moe_grouped_gemm,
-        qk_layernorm=m.qk_layernorm,
-        normalization=m.normalization,
+    # without TE: megatron's unfused core attention replaced by the fused SDPA kernel
+    return with_sdpa_attention(
+        get_gpt_layer_local_spec(
+            num_experts=m.num_moe_experts,
+            moe_grouped_gemm=m.moe_grouped_gemm,
+            qk_layernorm=m.qk_layernorm,
+            normalization=m.normalization,
+        )
     )
 
 

@@ -263,7 +263,7 @@ class PolicyTrainer:
         """Rows sorted by length into microbatches, each cut to its longest row (one
         pipeline stage; stages exchange one fixed shape), see titan_rl.trainer.microbatch."""
         p = self.pcfg.parallel
-        multiple = 8
+        multiple = self.accel.sequence_multiple  # 8 on GPUs; a CPU gains nothing from padding
         if p.sequence_parallel:
             multiple = math.lcm(multiple, p.tensor_model_parallel_size)
         if p.context_parallel_size > 1:
