@@ -131,6 +131,8 @@ class Sequence:
     finished_at: float = 0.0
     weight_version: str = ""
     text: str | None = None
+    #: the token ids that end it (its stop_token_ids, and EOS unless ignore_eos), once known
+    stop_ids: frozenset[int] | None = None
 
 
 def _rid_matches(seq_rid: str, rid: str | None) -> bool:
@@ -641,10 +643,13 @@ class Engine:
         self.active = [self.active[i] for i in keep]
 
     # ---- sampling -------------------------------------------------------------------------
-    def _stop_ids(self, s: Sequence) -> set[int]:
-        ids = set(s.params.stop_token_ids or [])
-        if not s.params.ignore_eos:
-            ids |= self.eos_ids
+    def _stop_ids(self, s: Sequence) -> frozenset[int]:
+        ids = s.stop_ids
+        if ids is None:  # made once: asked for each of its tokens
+            found = set(s.params.stop_token_ids or [])
+            if not s.params.ignore_eos:
+                found |= self.eos_ids
+            ids = s.stop_ids = frozenset(found)
         return ids
 
     def _adjust_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
