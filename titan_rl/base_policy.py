@@ -60,11 +60,19 @@ def _pretrain(pol: PolicyConfig, run_dir: Path) -> None:
     (run_dir / UNFINISHED).unlink(missing_ok=True)
 
 
-def ensure_base_policy(pol: PolicyConfig) -> None:
-    """Pretrain the Titan base at ``pol.load`` if missing; train it on if its accuracy is
-    below ``train.stop_at_eval_accuracy`` of ``pol.pretrain_config``. Says what it does."""
+def base_training(pol: PolicyConfig) -> str | None:
+    """What :func:`ensure_base_policy` would train the base for, as the line it says (None:
+    the base is there and good enough, nothing to train). Raises ConfigError where
+    ``policy.load`` cannot be used: no checkpoint and none to pretrain, or not where
+    ``policy.pretrain_config`` trains it."""
+    training = _training(pol)
+    return None if training is None else training[0]
+
+
+def _training(pol: PolicyConfig) -> tuple[str, float | None] | None:
+    """:func:`base_training`'s line, with the recipe's ``train.stop_at_eval_accuracy``."""
     if pol.format != "titan":
-        return
+        return None
     have = latest_iteration(pol.load)
     if not pol.pretrain_config:
         if have is None:
@@ -72,7 +80,7 @@ def ensure_base_policy(pol: PolicyConfig) -> None:
                 f"policy.load {pol.load} holds no Titan checkpoint and policy.pretrain_config "
                 "is not set; pretrain one first (python -m titan_core.pretrain) or set it"
             )
-        return
+        return None
     load = Path(pol.load)
     if load.name != "checkpoints":
         raise ConfigError("policy.load must end in /checkpoints when policy.pretrain_config is set")
@@ -87,26 +95,33 @@ def ensure_base_policy(pol: PolicyConfig) -> None:
             f"base there, add run.dir={load.parent} to policy.pretrain_overrides"
         )
     if have is None:
-        print(
+        return (
             f"no base checkpoint at {load}: pretraining it first with titan_core.pretrain "
-            f"({pol.pretrain_config}), on the same training base",
-            flush=True,
-        )
-    elif (load.parent / UNFINISHED).exists():
-        print(
+            f"({pol.pretrain_config}), on the same training base"
+        ), target
+    if (load.parent / UNFINISHED).exists():
+        return (
             f"the base's pretraining at {load} stopped at step {have} before it finished: "
-            "training it on",
-            flush=True,
-        )
-    else:
-        acc = base_accuracy(load.parent, have)
-        if target is None or acc is None or acc >= target:
-            return
-        print(
-            f"the base at {load} answers {acc:.1%} of held-out problems, below "
-            f"train.stop_at_eval_accuracy={target} of {pol.pretrain_config}: training it on",
-            flush=True,
-        )
+            "training it on"
+        ), target
+    acc = base_accuracy(load.parent, have)
+    if target is None or acc is None or acc >= target:
+        return None
+    return (
+        f"the base at {load} answers {acc:.1%} of held-out problems, below "
+        f"train.stop_at_eval_accuracy={target} of {pol.pretrain_config}: training it on"
+    ), target
+
+
+def ensure_base_policy(pol: PolicyConfig) -> None:
+    """Pretrain the Titan base at ``pol.load`` if missing; train it on if its accuracy is
+    below ``train.stop_at_eval_accuracy`` of ``pol.pretrain_config``. Says what it does."""
+    training = _training(pol)
+    if training is None:
+        return
+    why, target = training
+    print(why, flush=True)
+    load = Path(pol.load)
     _pretrain(pol, load.parent)
     it = latest_iteration(load)
     acc = base_accuracy(load.parent, it) if it is not None else None

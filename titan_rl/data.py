@@ -154,6 +154,15 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
     return ps
 
 
+def load_splits(cfg: RLDataConfig, seed: int) -> tuple[PromptSet, PromptSet]:
+    """The training and the held-out prompts (``load_prompts``' two splits), reading and
+    templating ``data.path`` once where the held-out prompts are its first rows."""
+    train = load_prompts(cfg, seed, "train")
+    if cfg.type == "arithmetic" or cfg.eval_path:
+        return train, load_prompts(cfg, seed, "eval")
+    return train, PromptSet(train.prompts[: cfg.num_eval], train.skipped, train.source, train.stop)
+
+
 class PromptSampler:
     """Epoch-wise shuffled prompts from a seed (in file order with ``shuffle=False``); the
     position is saved for exact resume."""

@@ -1,12 +1,15 @@
 """A GRPO run's parts, built from its config in one place, and their teardown.
 
 :meth:`Job.start` builds them in start-up order, ending each ``time/startup/<phase>`` as it
-completes: ``prepare`` (the prompts, the machine plan, the base policy), ``ray``, then the
-trainers and the engines side by side where they can be (a fresh run from an HF policy: the
-engines serve its files while the trainers build; otherwise they start once the trainers
-have resumed, on the trainers' weights of that step), then the connections: the trainers to
-the engines, the engines' recovery, the rollout client, the colocation.
-:meth:`Job.close` tears down what was built, newest first, every step even after one raised.
+completes: ``prepare`` (the prompts, the tokenizer, the reward) and ``ray`` side by side where
+they can be (a ready base policy: the prompts are made on a thread while Ray's processes
+start; a base to pretrain first: a dataset error stops the run before any pretraining, and
+Ray starts after both), then the trainers and the engines side by side where they can be (a
+fresh run from an HF policy: the engines serve its files while the trainers build; otherwise
+they start once the trainers have resumed, on the trainers' weights of that step), then the
+connections: the trainers to the engines, the engines' recovery, the rollout client, the
+colocation. :meth:`Job.close` tears down what was built, newest first, every step even after
+one raised.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
@@ -24,7 +28,7 @@ from titan_core.signals import Stopped, StopSignals, ignoring
 from titan_core.training.metrics import MetricsWriter
 from titan_rl.actors.engine_actor import RolloutEngineGroup
 from titan_rl.actors.recovery import EngineRecovery
-from titan_rl.base_policy import ensure_base_policy
+from titan_rl.base_policy import base_training, ensure_base_policy
 from titan_rl.colocation import Colocation, colocation_for
 from titan_rl.config import GRPOConfig
 from titan_rl.nodes import NodeWatch
@@ -77,27 +81,21 @@ class Job:
     def start(cls, cfg: GRPOConfig, stop: StopSignals, startup: StartupTimer) -> Job:
         """Every part of the run ``cfg`` (resolved), up to the connections. Raises
         :class:`~titan_core.signals.Stopped` when a stop signal came before RL started."""
-        # a dataset error or an impossible layout stops the run before any pretraining
-        rollouts = Rollouts(cfg)
         plan = machine_plan(cfg)
-        ensure_base_policy(cfg.policy)
-        if stop.requested is not None:
-            raise Stopped(
-                stop.requested, f"stopped by {stop.name} before RL started; rerun the same command"
-            )
-        startup.ended("prepare")  # the config, the prompts, the plan, the base policy
-        job = cls(stop, rollouts, owns_ray=not ray.is_initialized())
-        if job.owns_ray:
-            try:
-                with ignoring(signal.SIGINT):  # Ray's processes leave Ctrl-C to this job
-                    init_ray(**ray_init_kwargs(cfg.ray, plan))
-            except SystemExit:  # SIGTERM while Ray started: its handler, not ours, got it
-                ray.shutdown()
-                raise Stopped(
-                    signal.SIGTERM, "stopped by SIGTERM while Ray started; rerun the same command"
-                ) from None
-        stop.install()  # ray.init replaced our SIGTERM handler with its own
-        startup.ended("ray")
+        owns_ray = not ray.is_initialized()
+        if owns_ray and _base_ready(cfg):
+            rollouts = _prepare_while_ray_starts(cfg, plan, stop, startup)
+        else:
+            # a dataset error stops the run before any pretraining (or the base's own error)
+            rollouts = Rollouts(cfg)
+            ensure_base_policy(cfg.policy)
+            _raise_if_stopped(stop)
+            startup.ended("prepare")  # the config, the prompts, the plan, the base policy
+            if owns_ray:
+                _start_ray(cfg, plan)
+            stop.install()  # ray.init replaced our SIGTERM handler with its own
+            startup.ended("ray")
+        job = cls(stop, rollouts, owns_ray=owns_ray)
         placement = reserve(plan)
         _check_nodes(cfg, placement)
         job.watch = placement.watch()  # asked when engines stop answering
@@ -190,6 +188,58 @@ class Job:
                 cleanup.callback(self.colocation.close)
             if aio is not None and client is not None:
                 cleanup.callback(lambda: aio.run_until_complete(client.aclose()))
+
+
+def _raise_if_stopped(stop: StopSignals) -> None:
+    if stop.requested is not None:
+        raise Stopped(
+            stop.requested, f"stopped by {stop.name} before RL started; rerun the same command"
+        )
+
+
+def _start_ray(cfg: GRPOConfig, plan: PlacementPlan) -> None:
+    """This job's Ray (its processes leave Ctrl-C to this job); Stopped when SIGTERM came
+    while it started."""
+    try:
+        with ignoring(signal.SIGINT):
+            init_ray(**ray_init_kwargs(cfg.ray, plan))
+    except SystemExit:  # SIGTERM while Ray started: its handler, not ours, got it
+        ray.shutdown()
+        raise Stopped(
+            signal.SIGTERM, "stopped by SIGTERM while Ray started; rerun the same command"
+        ) from None
+
+
+def _base_ready(cfg: GRPOConfig) -> bool:
+    """The base policy is there and good enough: nothing is pretrained before RL starts (a
+    base that cannot be used is said after the dataset's checks, as one to pretrain)."""
+    try:
+        return base_training(cfg.policy) is None
+    except ConfigError:
+        return False
+
+
+def _prepare_while_ray_starts(
+    cfg: GRPOConfig, plan: PlacementPlan, stop: StopSignals, startup: StartupTimer
+) -> Rollouts:
+    """The prompts, the tokenizer and the reward (:class:`Rollouts`: transformers' import, the
+    chat template: about a second of one core) made on a thread while this job's Ray starts,
+    which mostly waits for its processes and leaves a core to spare. A dataset error is raised
+    once Ray is shut down again. Only where the base policy is ready (nothing is pretrained
+    before RL starts, which a dataset error must stop first)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="titan-prepare") as pool:
+        made = pool.submit(Rollouts, cfg)
+        _start_ray(cfg, plan)  # raising: the pool waits for the thread, its result is dropped
+        stop.install()  # ray.init replaced our SIGTERM handler with its own
+        startup.ended("ray")
+        try:
+            rollouts = made.result()
+            _raise_if_stopped(stop)
+        except BaseException:
+            ray.shutdown()
+            raise
+    startup.ended("prepare")  # what the prompts, the tokenizer took beyond Ray's start
+    return rollouts
 
 
 def _check_nodes(cfg: GRPOConfig, placement: Placement) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from titan_core.data.tokenizer import build_tokenizer
 from titan_rl.config import GRPOConfig
-from titan_rl.data import PromptSampler, PromptSet, load_prompts, stop_token_ids
+from titan_rl.data import PromptSampler, PromptSet, load_splits, stop_token_ids
 from titan_rl.rollout.generate import RolloutResult, VersionCheck, generate_groups
 from titan_rl.rollout.generate import evaluate as evaluate_prompts
 from titan_rl.rollout.partial import PartialBuffer
@@ -39,8 +39,7 @@ class Rollouts:
         self.run_dir = Path(cfg.run.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.tok = build_tokenizer(cfg.data.tokenizer_type, cfg.data.tokenizer_model)
-        train = load_prompts(cfg.data, cfg.run.seed, "train")
-        held_out = load_prompts(cfg.data, cfg.run.seed, "eval")
+        train, held_out = load_splits(cfg.data, cfg.run.seed)
         self.eval_prompts = held_out.prompts
         #: written with the first record of the run
         self.data_stats = {"data/skipped_rows": train.skipped}

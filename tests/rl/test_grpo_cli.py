@@ -20,6 +20,7 @@ from titan_rl.data import (
     PromptSampler,
     load_file_prompts,
     load_prompts,
+    load_splits,
     stop_token_ids,
 )
 from titan_rl.grpo import main
@@ -187,6 +188,18 @@ def test_eval_path_rows_are_checked_and_counted(tmp_path, capsys):
     )
     with pytest.raises(DatasetError, match="data.eval_path"):
         Rollouts(cfg)
+
+
+@pytest.mark.parametrize("source", ["data.path", "data.eval_path", "arithmetic"])
+def test_both_splits_at_once_are_each_split_alone(tmp_path, source):
+    """``load_splits`` (what a run loads: the held-out prompts of data.path taken from its one
+    read) gives what ``load_prompts`` gives for each split on its own."""
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(7)] + [{"prompt": "x"}]
+    data = {"type": "jsonl", "path": str(_jsonl(tmp_path / "t.jsonl", rows)), "num_eval": 3}
+    if source == "data.eval_path":
+        data["eval_path"] = str(_jsonl(tmp_path / "e.jsonl", rows[3:]))
+    cfg = RLDataConfig(num_eval=3) if source == "arithmetic" else RLDataConfig(**data)
+    assert load_splits(cfg, 5) == (load_prompts(cfg, 5, "train"), load_prompts(cfg, 5, "eval"))
 
 
 def test_async_and_colocated_exit_2_naming_both_keys(grpo):

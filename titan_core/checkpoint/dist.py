@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from titan_core.accelerator import megatron_scope
 from titan_core.checkpoint import megatron_lm
@@ -204,7 +203,10 @@ def save_checkpoint(
     iterations beyond the newest N are removed (0: none). ``retain_interval`` (Megatron-LM's
     ``--save-retain-interval``): the checkpoint the tracker named before this save is
     removed unless its iteration is a multiple of it (see :func:`_drop_unretained`)."""
+    # torch.distributed.checkpoint is heavy (DTensor, sympy): imported by saves, not by the
+    # processes that only read this package's helpers (the driver, the engines)
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = iteration_dir(root, iteration)
     if _rank() == 0:

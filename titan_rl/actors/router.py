@@ -14,7 +14,7 @@ import httpx
 
 from titan_core.net import free_port
 from titan_rl.actors.config import EngineLaunch, RouterConfig
-from titan_rl.actors.server import ServerProcess
+from titan_rl.actors.server import HEALTH_POLL_S, ServerProcess
 
 log = logging.getLogger("titan_rl.actors")
 
@@ -99,7 +99,7 @@ class RouterProcess(ServerProcess):
             for w in self.workers():
                 if w.get("url") == url and w.get("is_healthy", True):
                     return str(w.get("id"))
-            time.sleep(0.2)
+            time.sleep(HEALTH_POLL_S)
         raise TimeoutError(
             f"router did not list worker {url} as healthy within {timeout_s:.0f}s; "
             f"router log {self.log_path}:\n{self.log_tail()}"

@@ -31,6 +31,10 @@ log = logging.getLogger("titan_rl.actors")
 
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 
+#: seconds between ``/health`` polls while a server starts: its start is on the job's
+#: start-up path, and a refused connection to a server not listening yet costs nothing
+HEALTH_POLL_S = 0.05
+
 
 def build_command(launch: EngineLaunch, port: int) -> list[str]:
     """The server's command line (SGLang's flag names for both backends): the one place a
@@ -161,7 +165,7 @@ class ServerProcess:
                         f"{self.name}: {self.url} not healthy after {self.cfg.startup_timeout_s:.0f}s; "
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
-                time.sleep(0.25)
+                time.sleep(HEALTH_POLL_S)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM the server's process group, then SIGKILL after ``timeout_s``."""

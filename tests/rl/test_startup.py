@@ -1,0 +1,116 @@
+"""The GRPO job's start-up: what runs side by side, and what its processes leave unimported.
+
+On a 2-core machine the driver, Ray's processes, the trainer and the engine compete for the
+cores, so the start-up counts the work done, not only its order: the prompts and the tokenizer
+are made while Ray starts (its processes leave a core to spare), and modules the driver and
+the engine never use are not imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import titan_rl.job as job_module
+from titan_core.config import load_config
+from titan_core.signals import StopSignals
+from titan_rl.config import GRPOConfig
+from titan_rl.data import DatasetError
+from titan_rl.job import Job
+from titan_rl.step_timer import StartupTimer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class _Reached(Exception):
+    """Job.start went past Ray's start (the placement group is next)."""
+
+
+def _cfg(tmp_path: Path, *overrides: str) -> GRPOConfig:
+    return load_config(
+        GRPOConfig, REPO / "examples/math.yaml", [f"run.dir={tmp_path / 'run'}", *overrides]
+    )
+
+
+def _start(monkeypatch: pytest.MonkeyPatch, cfg: GRPOConfig, *, fails: bool) -> dict[str, Any]:
+    """Job.start with Ray's start, its shutdown and the prompts recorded (nothing is started):
+    the prompts wait until Ray's start has begun, so a start that made them first would hang."""
+    seen: dict[str, Any] = {"shutdown": 0}
+    ray_started = threading.Event()
+
+    def init_ray(**kwargs: Any) -> None:
+        seen["ray"] = threading.current_thread().name
+        ray_started.set()
+
+    def rollouts(cfg: GRPOConfig) -> object:
+        assert ray_started.wait(10), "the prompts were made before Ray's start began"
+        seen["rollouts"] = threading.current_thread().name
+        if fails:
+            raise DatasetError("data.path x is not a file; check the path")
+        return object()
+
+    def shutdown() -> None:
+        seen["shutdown"] += 1
+
+    def reserve(plan: Any) -> None:
+        raise _Reached
+
+    monkeypatch.setattr(job_module, "init_ray", init_ray)
+    monkeypatch.setattr(job_module, "Rollouts", rollouts)
+    monkeypatch.setattr(job_module.ray, "shutdown", shutdown)
+    monkeypatch.setattr(job_module.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(job_module, "reserve", reserve)
+    timer = StartupTimer()
+    with pytest.raises(DatasetError if fails else _Reached):
+        Job.start(cfg, StopSignals(), timer)
+    seen["phases"] = list(timer.phases)
+    return seen
+
+
+def test_the_prompts_are_made_while_ray_starts(tmp_path, monkeypatch):
+    """A ready base (an HF policy: nothing to pretrain): the prompts are made on a thread
+    while Ray starts on the main one; the phases say Ray's start, then the prompts' rest."""
+    seen = _start(monkeypatch, _cfg(tmp_path, "policy.format=hf"), fails=False)
+    assert seen["ray"] == threading.main_thread().name != seen["rollouts"]
+    assert seen["phases"] == ["imports", "ray", "prepare"] and seen["shutdown"] == 0
+
+
+def test_a_dataset_error_found_while_ray_starts_shuts_ray_down(tmp_path, monkeypatch):
+    seen = _start(monkeypatch, _cfg(tmp_path, "policy.format=hf"), fails=True)
+    assert "ray" in seen and seen["shutdown"] == 1
+
+
+def test_a_base_to_pretrain_checks_the_dataset_before_ray(tmp_path, monkeypatch):
+    """A Titan policy missing, with policy.pretrain_config: a dataset error must stop the run
+    before any pretraining, so the prompts are made first, and Ray never starts for it."""
+    started: list[str] = []
+    monkeypatch.setattr(job_module, "init_ray", lambda **kwargs: started.append("ray"))
+    data = f"data.path={tmp_path / 'missing.jsonl'}"
+    cfg = _cfg(tmp_path, "data.type=jsonl", data, f"policy.load={tmp_path / 'b/checkpoints'}")
+    with pytest.raises(DatasetError, match="is not a file"):
+        Job.start(cfg, StopSignals(), StartupTimer())
+    assert started == [] and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize(
+    "modules",
+    [
+        "titan_rl.grpo, titan_rl.job, titan_rl.driver",  # the driver's, up to its first step
+        "titan_rl.engine.cli, titan_core.models.hf.families",  # the engine's, before its model
+    ],
+)
+def test_start_up_leaves_torch_distributed_checkpoint_unimported(modules):
+    """torch.distributed.checkpoint (DTensor, sympy: most of a second of a core) is for the
+    trainer's saves and loads; the driver and the engine process never need it."""
+    code = f"import sys, {modules}; print('torch.distributed.checkpoint' in sys.modules)"
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_CONFIG"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, env=env
+    )
+    assert out.stdout.split() == ["False"]
