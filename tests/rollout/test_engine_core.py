@@ -317,3 +317,35 @@ def test_model_error_fails_its_requests_and_engine_keeps_serving(tiny_model: Pat
         assert eng.alive
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_own_forward_in_bfloat16_is_as_close_to_fp32_as_transformers(
+    family: str, tmp_path: Path, make_model
+) -> None:
+    """``--dtype bfloat16``: the engine's own forward answers the greedy tokens the
+    transformers forward does, and its logprobs are about as close to a plain fp32 HF
+    forward's (the errors of each are measured against it)."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_model(tmp_path / family, family)
+    reference = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    outs, errors = {}, {}
+    for impl in ("sglang", "transformers"):
+        eng = Engine(str(path), num_threads=1, model_impl=impl, dtype="bfloat16")
+        try:
+            outs[impl] = run_batch(eng, _mixed_specs(0.0))
+        finally:
+            eng.shutdown()
+        err = []
+        for spec, res in zip(_mixed_specs(0.0), outs[impl], strict=True):
+            ref = hf_logprobs(reference, spec["prompt"], res["output_ids"], 0.0)
+            got = [x[0] for x in res["meta_info"]["output_token_logprobs"]]
+            err += [abs(a - b) for a, b in zip(got, ref, strict=True)]
+        errors[impl] = sum(err) / len(err)
+    same = [
+        a["output_ids"] == b["output_ids"]
+        for a, b in zip(outs["sglang"], outs["transformers"], strict=True)
+    ]  # bf16 rounds the two differently: a near tie may go either way
+    assert sum(same) >= len(same) - 1, same
+    assert errors["sglang"] <= 1.5 * errors["transformers"] + 1e-3, errors

@@ -117,13 +117,14 @@ class LeanForward:
         keys, values = layer_cache.update(k, v)
         heads, kv_heads = q.shape[1], keys.shape[1]
         if seq == 1:
-            # [B, kv, group, d] @ [B, kv, d, T]: query head h reads KV head h // group
-            qg = q.view(bsz, kv_heads, heads // kv_heads, d)
-            scores = torch.matmul(qg, keys.transpose(2, 3)) * attn.scaling
+            # [B, kv, group, d] @ [B, kv, d, T]: query head h reads KV head h // group; in
+            # float32 (bf16 / fp16 weights too, as the SDPA kernel accumulates)
+            qg = q.view(bsz, kv_heads, heads // kv_heads, d).float()
+            scores = torch.matmul(qg, keys.float().transpose(2, 3)) * attn.scaling
             if bias is not None:
                 scores = scores + bias[:, :, 0:1, :]
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(probs, values).reshape(bsz, 1, heads * d)
+            probs = torch.softmax(scores, dim=-1)
+            out = torch.matmul(probs, values.float()).to(q.dtype).reshape(bsz, 1, heads * d)
         else:
             out = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=bias, is_causal=bias is None,
