@@ -7,8 +7,8 @@ runs its decorators, for each of the step's few small matrix products. This forw
 same submodules (embedding, norms, projections, rotary embedding, MLP or MoE block, LM head)
 in the same order, so their weights, tensor-parallel shards (titan_rl/engine/tp/shard.py) and
 hooks (the routing recorder) are the ones the transformers path uses; it computes attention
-itself: a decode step's one query per row as two batched products around a float32 softmax
-(what HF's eager attention computes), a prompt with ``scaled_dot_product_attention``.
+itself: a decode step's one query per row as two batched products and a softmax, in float32
+(as the SDPA kernel accumulates), a prompt with ``scaled_dot_product_attention``.
 
 It serves the decoder families the engine serves (Llama, Qwen2, Qwen3, Qwen3-MoE: pre-norm
 layers, rotary attention with grouped KV heads, optional QK norms); :func:`lean_forward`
