@@ -7,7 +7,7 @@ count is shown), never a crash deep in a rollout.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -149,9 +149,12 @@ def load_prompts(cfg: RLDataConfig, seed: int, split: str, num: int | None = Non
     key = "data.eval_path" if split == "eval" and cfg.eval_path else "data.path"
     path = cfg.eval_path if key == "data.eval_path" else cfg.path
     ps = load_file_prompts(path, cfg, key)
-    if split == "eval":
-        ps.prompts = ps.prompts[: cfg.num_eval]
-    return ps
+    return _held_out(ps, cfg) if split == "eval" else ps
+
+
+def _held_out(ps: PromptSet, cfg: RLDataConfig) -> PromptSet:
+    """A file's held-out prompts: its first ``data.num_eval`` rows."""
+    return replace(ps, prompts=ps.prompts[: cfg.num_eval])
 
 
 def load_splits(cfg: RLDataConfig, seed: int) -> tuple[PromptSet, PromptSet]:
@@ -160,7 +163,7 @@ def load_splits(cfg: RLDataConfig, seed: int) -> tuple[PromptSet, PromptSet]:
     train = load_prompts(cfg, seed, "train")
     if cfg.type == "arithmetic" or cfg.eval_path:
         return train, load_prompts(cfg, seed, "eval")
-    return train, PromptSet(train.prompts[: cfg.num_eval], train.skipped, train.source, train.stop)
+    return train, _held_out(train, cfg)
 
 
 class PromptSampler:

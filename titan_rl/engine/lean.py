@@ -37,7 +37,6 @@ class LeanForward:
     computing what the HF causal LM's forward with that cache computes."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm

@@ -156,7 +156,8 @@ class ModelRunner:
         self.model = model
         self.config = model.config
         #: the forward the batch runs through: the engine's own, or transformers'
-        self.model_impl, self._run = _pick_forward(model, model_impl)
+        self.model_impl, lean = _pick_forward(model, model_impl)
+        self._run: Callable[..., torch.Tensor] = lean or self._transformers
         self.rank, self.size = rank, size
         #: the experts each token is routed to, recorded for requests that ask for them
         self.routing = RoutingRecorder(model)
@@ -200,12 +201,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward's logits, and its routed experts ``[B, L, layers, top_k]`` when
         ``record``."""
-        run = self._run or self._transformers
         if not record:
-            return run(input_ids, cache, **kw), None
+            return self._run(input_ids, cache, **kw), None
         self.routing.start()
         try:
-            logits = run(input_ids, cache, **kw)
+            logits = self._run(input_ids, cache, **kw)
         finally:
             routed = self.routing.stop(*input_ids.shape)
         return logits, routed

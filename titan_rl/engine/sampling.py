@@ -315,7 +315,6 @@ class BatchSampler:
         logprobs = logprobs.clamp(min=torch.finfo(logprobs.dtype).min)
         greedy = rs.greedy
         if greedy is None:  # every row samples
-            next_ids = torch.empty(bsz, dtype=torch.long)
             probs = torch.softmax(scaled, dim=-1)
         else:
             next_ids = torch.empty(bsz, dtype=torch.long)
@@ -331,7 +330,6 @@ class BatchSampler:
             u[rs.seeded] = uniform_from_keys(rs.keys, row_steps)
         drawn = _inverse_cdf(probs, u)
         if greedy is None:
-            next_ids = drawn
-        else:
-            next_ids[rs.rows] = drawn
+            return drawn, logprobs
+        next_ids[rs.rows] = drawn
         return next_ids, logprobs
