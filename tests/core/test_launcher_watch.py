@@ -142,7 +142,9 @@ def test_kill_9_of_torchrun_stops_its_workers_and_frees_the_run_dir(tmp_path):
             if not _gone(p):
                 os.kill(p, signal.SIGKILL)
     text = log.read_text()
-    assert text.count("of this worker") == 2, text[-3000:]  # each worker saw it
+    # a worker saw it; the stop is agreed over the ranks, so with steps shorter than the
+    # watch's poll the other may stop (and save) before its own poll sees the launcher gone
+    assert text.count("of this worker") >= 1, text[-3000:]
     saved = re.search(r"stopped by SIGTERM at step (\d+); saved iter_\d+", text)
     assert saved, text[-3000:]
     assert latest_iteration(run_dir / "checkpoints") == int(saved.group(1))
