@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 
+from titan_core import startup_gc
 from titan_core.config import ConfigError, load_config
 from titan_core.config.pretrain import PretrainConfig
 from titan_core.launcher_watch import launched_by_torchrun, watch_launcher
@@ -36,6 +37,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with startup_gc.paused():  # run() settles it once the model is built
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     config_path, overrides = parse_args(argv)
     try:
         cfg = load_config(PretrainConfig, config_path, overrides)
@@ -89,6 +95,7 @@ def run(cfg: PretrainConfig) -> int:
             if node_count() > 1:
                 print(f"titan pretrain: {node_count()} nodes: {describe_nodes()}", flush=True)
         trainer = Trainer(cfg, accel, dp)
+        startup_gc.settle()  # the imports' and the model's objects out of the steps' collections
         trainer.train(signals)
         peer_watch.leave()  # finished or stopped, saved: the other nodes end too, no alarm
         if trainer.stopped_by is not None:

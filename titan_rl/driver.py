@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ class Driver:
         self._first: dict[str, Any] = dict(rollouts.data_stats)  # goes with the first record
         steps = cfg.profile.steps
         self._profiled = set(range(min(steps, default=0), max(steps, default=-1) + 1))
+        self._report: Future[None] | None = None  # reward.png, drawn once the steps are done
 
     @property
     def steps(self) -> range:
@@ -255,6 +257,15 @@ class Driver:
             )  # fmt: skip
             print(line, flush=True)
             return self.stop.exit_code
-        plot_rewards(read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png")
-        print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}")
+        self._report = ThreadPoolExecutor(1, thread_name_prefix="reward-plot").submit(
+            plot_rewards, read_metrics(run_dir / "metrics.jsonl"), run_dir / "reward.png"
+        )  # drawn while the job's engines, trainers and Ray stop
         return 0
+
+    def report_written(self) -> None:
+        """Once :meth:`finish` returned 0: wait for ``reward.png`` and say what was written."""
+        if self._report is None:
+            return
+        self._report.result()
+        run_dir = self.rollouts.run_dir
+        print(f"wrote {run_dir / 'metrics.jsonl'} and {run_dir / 'reward.png'}", flush=True)

@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from titan_core import startup_gc
 from titan_core.config import ConfigError, load_config
 from titan_core.run_lock import RunLock
 from titan_rl.config import GRPOConfig
@@ -92,13 +93,15 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     startup = StartupTimer()
     cfg = resolve_config(cfg)
     job = Job.start(cfg, stop, startup)  # prepare, ray, engines / trainers side by side
-    code = 0
+    code, driver = 0, None
     try:
         driver = Driver(cfg, job)
         startup.ended("connect")
         try:
             driver.evaluate_base()
             startup.ended("eval")
+            startup_gc.settle()  # the start-up's objects out of the steps' collections
+            startup.ended("settle")
             driver.startup(startup)
             _train(driver)
             code = driver.finish()
@@ -106,6 +109,8 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
             code = driver.engines_lost(e)
     finally:
         job.close()
+    if driver is not None and code == 0:
+        driver.report_written()
     return code
 
 
@@ -136,6 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="validate and print the placement plan")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = ap.parse_args(argv)
+    with startup_gc.paused():  # the driver's start-up settles it (_run)
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     from titan_rl.data import DatasetError
 
     try:

@@ -39,6 +39,7 @@ from titan_rl.placement import (
     machine_plan,
     ray_init_kwargs,
     reserve,
+    shutdown_local_ray,
 )
 from titan_rl.rollout import ClientOptions, EngineClient, RetryPolicy, make_engine_client
 from titan_rl.rollout.tools import close_tool_workers
@@ -168,7 +169,7 @@ class Job:
         aio = self.aio
         with contextlib.ExitStack() as cleanup:
             if self.owns_ray:
-                cleanup.callback(ray.shutdown)  # the actors' processes, and their children
+                cleanup.callback(shutdown_local_ray)  # the actors' processes, and their children
             if self.watch is not None:
                 cleanup.callback(self.watch.stop)
             if aio is not None:

@@ -626,6 +626,30 @@ def init_ray(**kwargs: Any) -> None:
                   "starting it again", flush=True)  # fmt: skip
 
 
+#: the command line of a local Ray's autoscaler monitor (``ray/autoscaler/_private``)
+_RAY_MONITOR = "autoscaler/_private/monitor.py"
+
+
+def shutdown_local_ray() -> None:
+    """``ray.shutdown()`` of the Ray this process started, without its 1 s wait on the
+    autoscaler monitor.
+
+    ``ray.shutdown`` stops the node's processes one by one, the GCS before the monitor, and
+    gives each a 1 s grace after SIGTERM. The monitor's SIGTERM handler reports its "failure"
+    to the GCS, which is gone by then, so it spends the whole second (1.0 of the 1.4 s
+    shutdown here). A local job's monitor has no nodes to scale and holds no state, so it is
+    SIGKILLed first; ``ray.shutdown`` then finds it gone and stops the rest as before."""
+    import psutil
+    import ray
+
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if any(_RAY_MONITOR in arg for arg in child.cmdline()):
+                child.kill()
+                child.wait(timeout=5)
+    ray.shutdown()
+
+
 def _kill_trees(procs: list[Any]) -> None:
     """SIGKILL these processes and their descendants (psutil processes)."""
     import psutil

@@ -7,15 +7,15 @@ from typing import Any
 
 
 def plot_rewards(records: list[dict[str, Any]], out: str | Path, title: str = "GRPO") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Drawn on a matplotlib ``Figure`` of its own (Agg, no pyplot): safe on any thread, and
+    the process's pyplot state is left alone."""
+    from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records if "reward/mean" in r]
     rewards = [r["reward/mean"] for r in records if "reward/mean" in r]
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.subplots()
     ax.plot(steps, rewards, color="tab:blue", alpha=0.8, label="reward (train, mean)")
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", color="tab:red", label="eval accuracy (greedy)")
@@ -32,4 +32,3 @@ def plot_rewards(records: list[dict[str, Any]], out: str | Path, title: str = "G
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(out)
-    plt.close(fig)

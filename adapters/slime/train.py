@@ -185,7 +185,9 @@ def _train(args: Any, cfg: Any, run_dir: Any, offload_train: bool, stop: StopSig
             stop_manager(manager)
         else:
             ray.get(manager.dispose.remote())
-        ray.shutdown()
+        from titan_rl.placement import shutdown_local_ray
+
+        shutdown_local_ray()  # ray.shutdown() without its 1 s wait on the monitor
     return 0
 
 

@@ -160,10 +160,13 @@ def _run(driver: Driver) -> int:
     try:
         driver.evaluate_base()
         _train(driver)
-        return driver.finish()
+        code = driver.finish()
     finally:
         driver.writer.close()
         driver.aio.close()
+    if code == 0:  # as titan_rl.grpo: reward.png is drawn while the job closes
+        driver.report_written()
+    return code
 
 
 def _phases(log: list[tuple], step: int) -> list[str]:

@@ -61,7 +61,7 @@ def test_reward_rises_then_resume_continues(tmp_path, base):
     phases = {k: v for k, v in recs[0].items() if k.startswith("time/startup/")}
     assert set(phases) == {
         f"time/startup/{p}"
-        for p in ("imports", "prepare", "ray", "trainers", "engines", "connect", "eval")
+        for p in ("imports", "prepare", "ray", "trainers", "engines", "connect", "eval", "settle")
     }
     assert sum(phases.values()) == pytest.approx(recs[0]["time/startup"], rel=1e-6)
     assert "time/startup" not in recs[1]

@@ -114,3 +114,57 @@ def test_start_up_leaves_torch_distributed_checkpoint_unimported(modules):
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO, env=env
     )
     assert out.stdout.split() == ["False"]
+
+
+def test_the_collector_is_paused_for_a_start_up_and_on_again_after_it():
+    """``paused`` / ``settle``: off in the start-up, then one collection (garbage made in
+    it is freed, not frozen), what lives frozen, the collector on; a start-up that fails
+    before settling leaves it on."""
+    import gc
+    import weakref
+
+    from titan_core import startup_gc
+
+    class Node:
+        pass
+
+    try:
+        with startup_gc.paused():
+            assert not gc.isenabled()
+            a, b = Node(), Node()
+            a.other, b.other = b, a  # a cycle only the collector frees
+            gone = weakref.ref(a)
+            del a, b
+            kept = [Node()]
+            startup_gc.settle()
+            assert gc.isenabled()
+            assert gone() is None  # collected, not frozen with the rest
+            assert gc.get_freeze_count() > 0 and gc.is_tracked(kept)
+        with pytest.raises(RuntimeError), startup_gc.paused():
+            raise RuntimeError("a start-up that fails")
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
+def test_shutdown_local_ray_stops_every_process_of_the_job_s_ray():
+    """The job's own Ray stops without ``ray.shutdown``'s 1 s wait on the autoscaler
+    monitor (SIGKILLed first), and leaves none of its processes behind."""
+    import psutil
+    import ray
+
+    from titan_rl.placement import init_ray, shutdown_local_ray
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    init_ray(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        started = [p for p in me.children(recursive=True) if p.pid not in before]
+        names = [" ".join(p.cmdline()) for p in started]
+        assert any("autoscaler/_private/monitor.py" in n for n in names), names
+    finally:
+        shutdown_local_ray()
+    assert not ray.is_initialized()
+    gone, alive = psutil.wait_procs(started, timeout=10)
+    assert alive == []

@@ -13,6 +13,7 @@ import os
 import resource
 import sys
 
+from titan_core import startup_gc
 from titan_rl.engine_settings import add_arguments, from_arguments
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -145,7 +146,11 @@ def bind_weight_groups() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    with startup_gc.paused():  # settled once the model is loaded (_serve)
+        _serve(build_parser().parse_args(argv))
+
+
+def _serve(args: argparse.Namespace) -> None:
     validate(args)
     max_connections = fit_connections_to_fd_limit(args.max_connections)
     logging.basicConfig(
@@ -178,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         max_request_bytes=args.max_request_bytes,
         served_model_name=args.served_model_name,
     )
+    startup_gc.settle()
     uvicorn.run(
         app,
         host=args.host,

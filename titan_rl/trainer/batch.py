@@ -57,36 +57,49 @@ class RLBatch:
 
 
 def pack_samples(samples: list[Sample], pad_id: int, pad_to_multiple: int = 8) -> RLBatch:
+    """The samples as one right-padded batch: tokens ``[B, L]`` (L a multiple of
+    ``pad_to_multiple``), and the loss mask and rollout logprobs ``[B, L - 1]`` on the positions
+    that predict each response token. Rows are built as Python lists and made tensors once
+    (a few small tensor writes per sample cost ~5 ms a 64-sample batch)."""
     length = max(len(s.tokens) for s in samples)
     length = -(-length // pad_to_multiple) * pad_to_multiple
-    n = len(samples)
-    tokens = torch.full((n, length), pad_id, dtype=torch.long)
-    mask = torch.zeros(n, length - 1)
-    rollout = torch.zeros(n, length - 1)
-    for i, s in enumerate(samples):
+    width = length - 1
+    token_rows: list[list[int]] = []
+    mask_rows: list[list[float]] = []
+    rollout_rows: list[list[float]] = []
+    for s in samples:
         seq = s.tokens
-        tokens[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        token_rows.append(seq + [pad_id] * (length - len(seq)))
         p, r = len(s.prompt_tokens), s.response_length
         if r and s.status != Status.FAILED:  # FAILED (e.g. an invalid reward): no loss
-            mask[i, p - 1 : p - 1 + r] = loss_mask(s)
-            if len(s.rollout_log_probs) == r:
-                rollout[i, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs)
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    return RLBatch(tokens, mask, rollout, rewards, routed_experts=pack_routed(samples, length))
+            lead, tail = [0.0] * (p - 1), [0.0] * (width - (p - 1) - r)
+            mask_rows.append(lead + loss_mask_values(s) + tail)
+            logps = s.rollout_log_probs if len(s.rollout_log_probs) == r else [0.0] * r
+            rollout_rows.append(lead + [float(v) for v in logps] + tail)
+        else:
+            mask_rows.append([0.0] * width)
+            rollout_rows.append([0.0] * width)
+    return RLBatch(
+        torch.tensor(token_rows, dtype=torch.long),
+        torch.tensor(mask_rows, dtype=torch.float32),
+        torch.tensor(rollout_rows, dtype=torch.float32),
+        torch.tensor([s.reward for s in samples], dtype=torch.float32),
+        routed_experts=pack_routed(samples, length),
+    )
 
 
-def loss_mask(s: Sample) -> torch.Tensor:
+def loss_mask_values(s: Sample) -> list[float]:
     """``s``'s response tokens that carry loss (1) and those only fed (0: a tool's or an
     environment's reply); every token when ``s.loss_mask`` is None."""
     if s.loss_mask is None:
-        return torch.ones(s.response_length)
+        return [1.0] * s.response_length
     if len(s.loss_mask) != s.response_length or any(m not in (0, 1) for m in s.loss_mask):
         raise ValueError(
             f"sample {s.group_index}/{s.index}: loss_mask must hold one 0 or 1 per response "
             f"token ({s.response_length}), got {len(s.loss_mask)} values; a rollout hook "
             "appending tokens appends their mask too"
         )
-    return torch.tensor(s.loss_mask, dtype=torch.float32)
+    return [float(m) for m in s.loss_mask]
 
 
 def pack_routed(samples: list[Sample], length: int) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
+from titan_core import startup_gc
 from titan_core.checkpoint.dist import unwrap
 from titan_core.net import free_port
 from titan_core.training.profiling import StepProfiler
@@ -27,6 +28,7 @@ class TrainerWorker:
 
     def __init__(self, cfg: dict[str, Any], rank: int, world_size: int, local_rank: int) -> None:
         enter_driver_dir()  # on a cluster: relative paths as the driver means them
+        startup_gc.pause()  # megatron's import and the model's build; setup() settles it
         self._payload = cfg
         self.rank = rank
         self.world_size = world_size
@@ -38,6 +40,12 @@ class TrainerWorker:
 
     def setup(self, rendezvous: tuple[str, int]) -> None:
         """Join the process group at rank 0's ``master_address`` and build the trainer."""
+        try:
+            self._build(rendezvous)
+        finally:  # built or not: the collector is on again
+            startup_gc.settle()
+
+    def _build(self, rendezvous: tuple[str, int]) -> None:
         master_addr, master_port = rendezvous
         os.environ.update(
             RANK=str(self.rank),
