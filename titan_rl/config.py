@@ -106,6 +106,18 @@ class RolloutConfig(Section):
     #: correction uses that version's logprobs). Needs over_sample_factor > 1 (the extra
     #: prompts are what a step does not wait for) and the built-in rollout (no generate_fn).
     partial: bool = False
+    #: "auto": the group requests a rollout sends at once go to the engine as one batched
+    #: ``/generate`` request (each group's samples as its own request gives them), on one
+    #: built-in engine without over-sampling or partial rollouts, and with max_concurrency
+    #: at least prompts_per_step; elsewhere (a router, SGLang, over-sampling) one request
+    #: per group, with a line at start saying why.
+    #: "off": one request per group everywhere.
+    coalesce: Literal["auto", "off"] = "auto"
+
+    @field_validator("coalesce", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: object) -> object:
+        return "off" if v is False else v  # YAML reads a bare off as false
 
     @field_validator("generate_fn")
     @classmethod

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from titan_core.data.tokenizer import build_tokenizer
 from titan_rl.config import GRPOConfig
 from titan_rl.data import PromptSampler, PromptSet, load_splits, stop_token_ids
+from titan_rl.rollout.coalesce import KEY as COALESCE_KEY
+from titan_rl.rollout.coalesce import coalesce_problem, engine_problem
 from titan_rl.rollout.generate import RolloutResult, VersionCheck, generate_groups
 from titan_rl.rollout.generate import evaluate as evaluate_prompts
 from titan_rl.rollout.partial import PartialBuffer
@@ -54,6 +56,8 @@ class Rollouts:
         self.stop_ids = stop_token_ids(self.tok, train.stop, f"data.type={cfg.data.type}")
         #: scores samples in place off the event loop, each call under reward.timeout_s
         self.reward = SampleRewarder(cfg.reward)
+        #: why the rollout sends one request per group, once said (rollout.coalesce=auto)
+        self._coalesce_said = False
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text)
@@ -68,6 +72,21 @@ class Rollouts:
         return VersionCheck(
             recovery.accepted, self.cfg.rollout.on_stale_version, recovery.ensure_serving
         )
+
+    async def coalesce(self, client: EngineClient) -> bool:
+        """Whether the rollout sends its group requests as one batched request
+        (rollout.coalesce, see titan_rl/rollout/coalesce.py); the first time it does not
+        under ``auto``, a line says why."""
+        problem = coalesce_problem(self.cfg.rollout, self.cfg.engines)
+        if problem is None:
+            problem = await engine_problem(client)
+        if problem is not None and self.cfg.rollout.coalesce != "off" and not self._coalesce_said:
+            self._coalesce_said = True
+            print(
+                f"rollout: one /generate request per group ({COALESCE_KEY}=auto: {problem})",
+                flush=True,
+            )
+        return problem is None
 
     @staticmethod
     async def _watched(work: Any, recovery: EngineRecovery | None) -> Any:
@@ -84,11 +103,12 @@ class Rollouts:
         carried = self.carried.take()
         n_prompts = max(0, int(r.prompts_per_step * r.over_sample_factor) - len(carried))
         prompts = self.sampler.take(n_prompts)
+        coalesce = await self.coalesce(client)
         result = await self._watched(generate_groups(
             client, prompts, self.encode, self.decode, r, self.stop_ids, self.reward,
             want_groups=r.prompts_per_step, seed=self.cfg.run.seed * 100_003 + step,
             versions=self.versions(recovery), num_layers=self.cfg.model.num_layers,
-            carried=carried,
+            carried=carried, coalesce=coalesce,
         ), recovery)  # fmt: skip
         self.carried.put(result.carry)
         self.reward.check_timeouts(f"step {step}")  # most timed out: warned, or stopped

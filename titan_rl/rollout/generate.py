@@ -22,6 +22,8 @@ from typing import Any
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rewards.errors import RewardError
+from titan_rl.rollout.client import SGLangClient
+from titan_rl.rollout.coalesce import CoalescingClient
 from titan_rl.rollout.engine_api import EngineClient, EngineError, GenerateOutput
 from titan_rl.rollout.hooks import (
     GenerateFn,
@@ -235,6 +237,7 @@ async def generate_groups(
     versions: VersionCheck | None = None,
     num_layers: int | None = None,
     carried: Sequence[CarriedGroup] = (),
+    coalesce: bool = False,
 ) -> RolloutResult:
     """Generate groups for ``carried`` (an earlier rollout's, continued first) and
     ``prompts``; keep the first ``want_groups`` that pass the filter.
@@ -244,13 +247,18 @@ async def generate_groups(
     RewardError (an invalid reward under reward.on_invalid=error) fails the rollout even
     when enough other groups passed. ``versions``: see :class:`VersionCheck`.
     ``num_layers``: the model's layers, to shape the routed experts that
-    ``cfg.return_routed_experts`` asks for (required then).
+    ``cfg.return_routed_experts`` asks for (required then). ``coalesce``: the group requests
+    sent at once go out as one batched request (see ``titan_rl.rollout.coalesce``; the
+    caller decides where that is safe, ``coalesce_problem``).
     """
     if cfg.return_routed_experts and num_layers is None:
         raise ValueError("rollout.return_routed_experts needs the model's num_layers")
     fn = resolve_generate_fn(cfg)
+    gen_client: EngineClient = client
+    if coalesce and isinstance(client, SGLangClient):
+        gen_client = CoalescingClient(client)  # type: ignore[assignment]
     ctx = RolloutContext(
-        client, encode, decode, cfg, list(stop_token_ids), versions,
+        gen_client, encode, decode, cfg, list(stop_token_ids), versions,
         routing_layers=num_layers if cfg.return_routed_experts else None,
     )  # fmt: skip
     params = {
