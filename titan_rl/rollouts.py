@@ -120,11 +120,15 @@ class Rollouts:
         return result
 
     async def evaluate(self, client: EngineClient, recovery: EngineRecovery | None) -> float:
-        """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set)."""
+        """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set);
+        their requests are coalesced as a rollout's are, where no more of them than
+        ``rollout.max_concurrency`` would then be in flight."""
+        r = self.cfg.rollout
+        coalesce = len(self.eval_prompts) <= r.max_concurrency and await self.coalesce(client)
         acc = await self._watched(evaluate_prompts(
             client, self.eval_prompts, self.encode, self.decode,
-            self.cfg.rollout.max_response_len, self.stop_ids, self.reward,
-            self.versions(recovery), cfg=self.cfg.rollout,
+            r.max_response_len, self.stop_ids, self.reward,
+            self.versions(recovery), cfg=r, coalesce=coalesce,
         ), recovery)  # fmt: skip
         self.reward.check_timeouts("evaluation")
         return acc

@@ -19,7 +19,7 @@ from titan_rl.rollout import SGLangClient, SGLangRequestError
 from titan_rl.rollout.client import SGLangUnavailableError
 from titan_rl.rollout.coalesce import CoalescingClient, coalesce_problem, engine_problem
 from titan_rl.rollout.engine_api import RetryPolicy
-from titan_rl.rollout.generate import generate_groups
+from titan_rl.rollout.generate import evaluate, generate_groups
 from titan_rl.rollout.rewarding import RewardCounts
 from titan_rl.sample import Sample
 
@@ -87,6 +87,32 @@ def test_a_coalesced_rollout_samples_what_one_request_per_group_samples(
         assert a.rollout_log_probs == pytest.approx(b.rollout_log_probs, abs=1e-4)
     # the samples are not all one: seeds differ by group and copy
     assert len({tuple(s.response_tokens) for s in batched}) > len(prompts)
+
+
+def test_a_coalesced_evaluation_scores_what_one_request_per_prompt_scores(
+    engine: ServerProcess,
+) -> None:
+    prompts = [Prompt(p, "x", {}) for p in ["1+2=", "7+8=", "a longer one, 40+2=", "3+3=", "x"]]
+    scored: dict[bool, list[list[int]]] = {}
+
+    async def reward(samples: list[Sample]) -> RewardCounts:
+        scored[coalesce] = [s.response_tokens for s in samples]
+        return await no_reward(samples)
+
+    async def main(coalesce: bool) -> tuple[float, int]:
+        transport = Counting()
+        async with SGLangClient(engine.url, transport=transport) as client:
+            acc = await evaluate(
+                client, prompts, encode, decode, 12, [EOS], reward, coalesce=coalesce
+            )
+        return acc, transport.generate
+
+    results = {}
+    for coalesce in (False, True):
+        results[coalesce] = asyncio.run(main(coalesce))
+    assert results[False][1] == len(prompts) and results[True][1] == 1
+    assert results[False][0] == results[True][0]
+    assert scored[False] == scored[True]  # the same greedy answers, prompt by prompt
 
 
 def test_n_1_calls_get_one_output_each_and_abort_all_reaches_a_batch(

@@ -389,11 +389,15 @@ async def evaluate(
     reward_fn: RewardFn,
     versions: VersionCheck | None = None,
     cfg: RolloutConfig | None = None,
+    coalesce: bool = False,
 ) -> float:
     """Greedy accuracy on held-out prompts: the share of answers the reward function marks
     ``correct`` (a sample it leaves unmarked counts as correct at a full score, >= 1); a
     dropped one (invalid reward) counts as wrong. With ``cfg.generate_fn`` set, each answer
-    is that hook's (called with n = 1, e.g. a multi-turn rollout with tools)."""
+    is that hook's (called with n = 1, e.g. a multi-turn rollout with tools). ``coalesce``:
+    the prompts' requests go out as one batched request, as :func:`generate_groups`'."""
+    if coalesce and isinstance(client, SGLangClient):
+        client = CoalescingClient(client)  # type: ignore[assignment]
     params = {
         "max_new_tokens": max_new_tokens,
         "temperature": 0.0,

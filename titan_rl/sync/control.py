@@ -57,9 +57,12 @@ class TrainerRanks:
     POLL_S = 0.002
 
     def __init__(self) -> None:
-        self.distributed = dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
+        initialized = dist.is_initialized()
+        self.rank = dist.get_rank() if initialized else 0
+        self.world = dist.get_world_size() if initialized else 1
+        #: other ranks to talk to (a group of one answers every collective itself: a
+        #: broadcast or gather of objects there still pickles, ~0.5 ms each)
+        self.distributed = initialized and self.world > 1
 
     @property
     def coordinator(self) -> bool:
