@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import socket
+import ssl
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -116,3 +118,14 @@ def check_local_address(address: str, source: str) -> None:
             f"{source} {address} is not an address of this host ({e.strerror or e}); give this "
             f"node's own address (the one the other nodes reach it at)"
         ) from None
+
+
+@functools.cache
+def client_tls() -> ssl.SSLContext:
+    """httpx's default TLS context (certifi's CAs; ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``
+    honoured), made once per process and given to every HTTP client as ``verify=``: httpx
+    builds one per client otherwise, 20-35 ms of CPU each, and a job starts several (the
+    rollout's, one per engine for the weight sync, the health checks)."""
+    import httpx
+
+    return httpx.create_ssl_context()

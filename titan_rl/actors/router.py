@@ -12,7 +12,7 @@ import time
 
 import httpx
 
-from titan_core.net import free_port
+from titan_core.net import client_tls, free_port
 from titan_rl.actors.config import EngineLaunch, RouterConfig
 from titan_rl.actors.server import HEALTH_POLL_S, ServerProcess
 
@@ -74,7 +74,7 @@ class RouterProcess(ServerProcess):
         return build_router_command(self.router_cfg, self.port, self.api_key)
 
     def _client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=10.0)
+        return httpx.Client(base_url=self.url, timeout=10.0, verify=client_tls())
 
     def workers(self) -> list[dict]:
         """The router's ``GET /workers`` list."""

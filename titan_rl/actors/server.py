@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from titan_core.net import free_port
+from titan_core.net import client_tls, free_port
 from titan_core.tied_child import popen_tied
 from titan_rl.actors.config import EngineLaunch, EngineServerConfig
 from titan_rl.actors.health import Silence, answers
@@ -147,7 +147,7 @@ class ServerProcess:
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Poll ``/health`` until 200; raise with the log tail if the process exits or time runs out."""
         deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
-        with httpx.Client(timeout=5.0) as client:
+        with httpx.Client(timeout=5.0, verify=client_tls()) as client:
             while True:
                 if self._proc is None or self._proc.poll() is not None:
                     code = None if self._proc is None else self._proc.returncode

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from titan_core.net import client_tls
 from titan_rl.rollout.engine_api import (
     ClientOptions,
     EngineError,
@@ -132,6 +133,7 @@ class SGLangClient:
             ),
             timeout=self._ctl_timeout,
             transport=transport,
+            verify=client_tls(),
         )
         self._sem = asyncio.Semaphore(max_concurrency)
         self._begin_end_supported: bool | None = None

@@ -41,6 +41,8 @@ from typing import Any, Literal, Protocol
 import httpx
 from pebble import ProcessExpired, ProcessPool
 
+from titan_core.net import client_tls
+
 ToolFn = Callable[[str], "str | Awaitable[str]"]
 #: where a tool's ``fn`` runs (see :class:`ToolWorkers`)
 Isolation = Literal["thread", "process"]
@@ -338,7 +340,7 @@ class Tool:
 
     async def _run(self, args: str) -> str:
         if self.url is not None:
-            async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            async with httpx.AsyncClient(timeout=self.timeout_s, verify=client_tls()) as http:
                 resp = await http.post(self.url, json={"name": self.name, "args": args})
                 resp.raise_for_status()
                 try:

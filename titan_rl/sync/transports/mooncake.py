@@ -15,7 +15,7 @@ import httpx
 import torch
 from pydantic import Field, PositiveInt
 
-from titan_core.net import NODE_IP_ENV, host_address, node_address
+from titan_core.net import NODE_IP_ENV, client_tls, host_address, node_address
 from titan_rl.actors.config import MooncakeAgentLaunch
 from titan_rl.sync.transports.base import Engine, Failures, Transport, TransportSection, each_engine
 from titan_rl.sync.transports.staging import Staging
@@ -116,7 +116,7 @@ class MooncakeTransport(Transport):
             )
         self.staging = Staging(torch.device("cpu"), shared=False)
         self._registered: tuple[int, int] | None = None
-        self.http = httpx.AsyncClient(timeout=timeout_s)
+        self.http = httpx.AsyncClient(timeout=timeout_s, verify=client_tls())
 
     def _source(self, need: int) -> torch.Tensor:
         buf = self.staging.get(need)
