@@ -80,3 +80,24 @@ def test_killed_owners_segment_is_unlinked_after_its_last_mapper(tmp_path):
     mapper.kill()  # as Ray kills the engine's server
     mapper.wait()
     assert _gone(segment), f"{segment} left in /dev/shm after its owner was killed"
+
+
+WARM = """
+import psutil, torch
+from titan_rl.sync.transports.tensor import TensorSync, TensorTransport
+me = psutil.Process()
+before = {p.name() for p in me.children(recursive=True)}
+TensorTransport(TensorSync(), torch.device("cpu"), 10.0).warm()
+after = {p.name() for p in me.children(recursive=True)}
+print(sorted(after - before))
+"""
+
+
+def test_the_tensor_transport_warms_up_torch_s_shared_memory_manager():
+    """``warm`` (run on a thread while the first rollout runs) starts the
+    ``torch_shm_manager`` the first shared tensor of a process would otherwise spawn inside
+    the first sync."""
+    out = subprocess.run(
+        [sys.executable, "-c", WARM], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert "torch_shm_manager" in out.stdout.splitlines()[-1]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -122,6 +123,7 @@ class WeightSync:
             cfg.probe_num_sequences, cfg.probe_length, self.bridge.vocab_size, cfg.probe_seed
         )
         self._transport: Transport | None = None
+        self._warming: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._clients: _Clients | None = None
         #: engines restarted since the last sync (coordinator): senders drop their groups
@@ -134,6 +136,26 @@ class WeightSync:
             cls = TRANSPORTS[self.cfg.transport]
             self._transport = cls(self.cfg.settings, self.device, self.cfg.timeout_s)
         return self._transport
+
+    def warm_up(self) -> None:
+        """Build the transport and let it do ahead, on a thread, what the first sync would
+        otherwise wait for (:meth:`Transport.warm`): the engines' first rollout runs
+        meanwhile. The first sync waits for it to end."""
+        transport = self._get_transport()
+
+        def warm() -> None:
+            try:
+                transport.warm()
+            except Exception as e:  # the first sync does it, and reports what fails
+                log.warning("weight sync warm-up failed (%s: %s)", type(e).__name__, e)
+
+        self._warming = threading.Thread(target=warm, name="weight-sync-warm-up", daemon=True)
+        self._warming.start()
+
+    def _warmed(self) -> None:
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
 
     def _engines(self) -> list[Engine]:
         """Clients kept for the whole run (connections and TLS set-up once, not per sync)."""
@@ -218,6 +240,7 @@ class WeightSync:
     ) -> dict[str, float]:
         """Pause (coordinator), send each rank's part (senders; every rank runs the export's
         gathers), then commit and resume (coordinator). Metrics on the coordinator."""
+        self._warmed()
         role, sender = self._setup_roles()
         dtype = getattr(torch, self.cfg.dtype) if self.cfg.dtype else None
         out = self._get_transport().before_export(chunks) if role.sends else None
@@ -448,6 +471,7 @@ class WeightSync:
         return parity.verdict(self.cfg, ours, scored, version)
 
     def close(self) -> None:
+        self._warmed()
         if self._transport is not None:
             engines = self._clients.engines if self._clients is not None else []
             self._run(self._transport.destroy(engines))

@@ -117,6 +117,7 @@ class TrainerWorker:
             client=self.cfg.engines.client,
             agents=agents,
         )
+        self.sync.warm_up()  # while the engines run the first rollout
 
     def sync_weights(self, step: int) -> dict[str, float]:
         """Push the weights to the engines; NonFiniteError (nothing sent) if any is not

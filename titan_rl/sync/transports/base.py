@@ -123,6 +123,12 @@ class Transport(ABC):
         export writes the tensors it builds, or None (temporaries)."""
         return None
 
+    def warm(self) -> None:
+        """What the first sync would do that can be done ahead, while the engines run the
+        first rollout (a thread of :meth:`WeightSync.warm_up` calls it; the first sync waits
+        for it)."""
+        return None
+
     async def prepare(self, engines: list[Engine], version: str) -> Failures:
         """Coordinator, before any sender begins."""
         return {}

@@ -84,6 +84,14 @@ class TensorTransport(Transport):
         self._shadows: dict[str, torch.Tensor] = {}
         self._posted: asyncio.Event | None = None
 
+    def warm(self) -> None:
+        """On CPU: start torch's shared-memory manager and this process's reaper (the first
+        shared tensor of a process spawns ``torch_shm_manager``, ~170 ms here)."""
+        if self.device.type == "cpu":
+            torch.multiprocessing.set_sharing_strategy("file_system")
+            probe = torch.empty(1, dtype=torch.uint8).share_memory_()
+            shm_reaper.track(probe.untyped_storage())
+
     def close(self) -> None:
         for s in self.staging:
             s.release()
