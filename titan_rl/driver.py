@@ -206,7 +206,8 @@ class Driver:
             rec.update(self.aio.run_until_complete(self.recovery.report()))
         except EngineLostError as e:  # the step is done: recorded first, then the stop
             lost = e
-        rec["engines/restarts"] = self.engines.restarts()
+        if "engines/restarts" not in rec:  # the report's supervision counts them
+            rec["engines/restarts"] = self.engines.restarts()
         if step in self._profiled:
             self.trainers.end_step(step)
         self.writer.write({**rec, **self._take_first()})

@@ -184,12 +184,14 @@ class RolloutEngineGroup:
         return [u for u in self.urls if u in self.lost_why]
 
     def supervision(self) -> dict[str, float]:
-        """What the supervisors saw, as step metrics: ``engines/hung_restarts`` (engines killed
-        and restarted for not answering their health probe, since the start; counted in
-        ``engines/restarts`` too) and ``engines/unanswered_s`` (the longest an engine went
+        """What the supervisors saw, as step metrics: ``engines/restarts`` (as
+        :meth:`restarts`, in the same round of calls), ``engines/hung_restarts`` (engines
+        killed and restarted for not answering their health probe, since the start; counted
+        in ``engines/restarts`` too) and ``engines/unanswered_s`` (the longest an engine went
         without answering since the last call; 0: none went a probe without)."""
         seen = self._answers("supervision")
         return {
+            "engines/restarts": sum(int(s["restarts"]) for s in seen),
             "engines/hung_restarts": sum(s["hung_restarts"] for s in seen),
             "engines/unanswered_s": max((s["unanswered_s"] for s in seen), default=0.0),
         }
