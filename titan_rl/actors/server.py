@@ -34,6 +34,8 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[2])
 #: seconds between ``/health`` polls while a server starts: its start is on the job's
 #: start-up path, and a refused connection to a server not listening yet costs nothing
 HEALTH_POLL_S = 0.05
+#: the watch's wait between probes while its server has not answered the last one
+SILENT_REPROBE_S = 0.1
 
 
 def build_command(launch: EngineLaunch, port: int) -> list[str]:
@@ -201,7 +203,9 @@ class ServerProcess:
 
     def _watch_loop(self, interval_s: float) -> None:
         while True:
-            time.sleep(interval_s)
+            # a server gone silent is probed again at once: its return (a stop that ended,
+            # a long pause) is seen before it can stop again and look like one long silence
+            time.sleep(interval_s if self.silence.since is None else SILENT_REPROBE_S)
             if self._stopping:
                 continue
             proc = self._proc
