@@ -331,14 +331,16 @@ class SGLangClient:
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         *,
         return_logprob: bool = False,
+        rids: Sequence[str] | None = None,
         **extra: Any,
     ) -> list[GenerateOutput]:
-        """One request holding several prompts; outputs prompt-major (n per prompt)."""
+        """One request holding several prompts; outputs prompt-major (n per prompt).
+        ``rids``: one per prompt (generated when not given)."""
         payload: dict[str, Any] = {
             "input_ids": [list(p) for p in prompts],
             "sampling_params": sampling_params or {},
             "return_logprob": return_logprob,
-            "rid": [uuid.uuid4().hex for _ in prompts],
+            "rid": list(rids) if rids is not None else [uuid.uuid4().hex for _ in prompts],
             **extra,
         }
         data = await self.generate_raw(payload)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from titan_rl.rollout.client import SGLangClient, SGLangRequestError, _output
+from titan_rl.rollout.client import SGLangClient, SGLangRequestError
 from titan_rl.rollout.engine_api import EngineClient, GenerateOutput
 
 if TYPE_CHECKING:
@@ -217,24 +217,25 @@ class CoalescingClient:
         self, pending: _Pending, calls: list[_Call]
     ) -> list[GenerateOutput | list[GenerateOutput]]:
         """One request for ``calls``; each call's outputs, as its own request answers them."""
-        payload: dict[str, Any] = {
-            "input_ids": [c.tokens for c in calls],
-            "sampling_params": [c.params for c in calls],
-            "return_logprob": pending.return_logprob,
-            "rid": [c.rid for c in calls],
-            **pending.extra,
-        }
-        data = await self.inner.generate_raw(payload)
+        outs = await self.inner.generate_batch(
+            [c.tokens for c in calls], [c.params for c in calls],
+            return_logprob=pending.return_logprob, rids=[c.rid for c in calls], **pending.extra,
+        )  # fmt: skip
         n = pending.n
-        if not isinstance(data, list) or len(data) != n * len(calls):
-            got = len(data) if isinstance(data, list) else type(data).__name__
-            raise _Unbatchable(f"a batch of {len(calls)} prompts x n={n} answered {got}")
+        if len(outs) != n * len(calls):
+            raise _Unbatchable(f"a batch of {len(calls)} prompts x n={n} answered {len(outs)}")
         self.batches += 1
         self.coalesced_calls += len(calls)
-        start = int(pending.extra.get("routed_experts_start_len") or 0)
-        outs = [_output(d, start) for d in data]  # prompt-major: n per prompt
-        sliced = [outs[i * n : (i + 1) * n] for i in range(len(calls))]
+        sliced = [outs[i * n : (i + 1) * n] for i in range(len(calls))]  # prompt-major
         return [s if n > 1 else s[0] for s in sliced]
+
+
+def coalescing(client: EngineClient, on: bool) -> EngineClient:
+    """``client``, or a :class:`CoalescingClient` over it where ``on`` and it is the sglang
+    client (the one that sends batches)."""
+    if on and isinstance(client, SGLangClient):
+        return CoalescingClient(client)  # type: ignore[return-value]
+    return client
 
 
 def _settle(call: _Call, *, result: Any = None, exception: BaseException | None = None) -> None:

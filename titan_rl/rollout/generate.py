@@ -22,8 +22,7 @@ from typing import Any
 from titan_rl.config import RolloutConfig
 from titan_rl.data import Prompt
 from titan_rl.rewards.errors import RewardError
-from titan_rl.rollout.client import SGLangClient
-from titan_rl.rollout.coalesce import CoalescingClient
+from titan_rl.rollout.coalesce import coalescing
 from titan_rl.rollout.engine_api import EngineClient, EngineError, GenerateOutput
 from titan_rl.rollout.hooks import (
     GenerateFn,
@@ -254,11 +253,8 @@ async def generate_groups(
     if cfg.return_routed_experts and num_layers is None:
         raise ValueError("rollout.return_routed_experts needs the model's num_layers")
     fn = resolve_generate_fn(cfg)
-    gen_client: EngineClient = client
-    if coalesce and isinstance(client, SGLangClient):
-        gen_client = CoalescingClient(client)  # type: ignore[assignment]
     ctx = RolloutContext(
-        gen_client, encode, decode, cfg, list(stop_token_ids), versions,
+        coalescing(client, coalesce), encode, decode, cfg, list(stop_token_ids), versions,
         routing_layers=num_layers if cfg.return_routed_experts else None,
     )  # fmt: skip
     params = {
@@ -396,8 +392,7 @@ async def evaluate(
     dropped one (invalid reward) counts as wrong. With ``cfg.generate_fn`` set, each answer
     is that hook's (called with n = 1, e.g. a multi-turn rollout with tools). ``coalesce``:
     the prompts' requests go out as one batched request, as :func:`generate_groups`'."""
-    if coalesce and isinstance(client, SGLangClient):
-        client = CoalescingClient(client)  # type: ignore[assignment]
+    client = coalescing(client, coalesce)
     params = {
         "max_new_tokens": max_new_tokens,
         "temperature": 0.0,
