@@ -289,9 +289,9 @@ class WeightSync:
 
         t0 = time.perf_counter()
         await self.restore.remember(engines)
-        fail(await _pause(engines, "abort" if restarted else self.cfg.pause_mode), "pause")
+        fail(await each_engine(engines, self._learn_server_info), "server info")
         live = [e for e in engines if e.url not in failures]
-        fail(await each_engine(live, self._learn_tp_size), "server info")
+        fail(await _pause(live, "abort" if restarted else self.cfg.pause_mode), "pause")
         live = [e for e in live if e.url not in failures]
         fail(await tr.prepare(live, version), "prepare")
         forget, self._forgotten = sorted(self._forgotten), set()
@@ -305,10 +305,12 @@ class WeightSync:
         }
 
     @staticmethod
-    async def _learn_tp_size(e: Engine) -> None:
+    async def _learn_server_info(e: Engine) -> None:
+        """Once per engine: its TP size, and whether it keeps a prefix cache to flush."""
         if e.tp_size == 0:
             info = await e.client.get_server_info()
             e.tp_size = int(info.get("tp_size") or 1)
+            e.prefix_cache = not info.get("disable_radix_cache", False)
 
     async def _send_part(
         self, buckets: Iterator[NamedTensors], plan: dict[str, Any], sender: Sender
@@ -501,8 +503,13 @@ class _Clients:
 
 
 async def _pause(engines: list[Engine], mode: str) -> Failures:
+    """Pause generation on ``engines``, then flush the prefix caches of those that keep one
+    (with requests still held, as ``retract`` and ``in_place`` hold them, the flush is
+    refused and the cache stays: SGLang's behaviour)."""
+
     async def one(e: Engine) -> None:
         await e.client.pause_generation(mode)
-        await e.client.flush_cache()
+        if e.prefix_cache:
+            await e.client.flush_cache()
 
     return await each_engine(engines, one)

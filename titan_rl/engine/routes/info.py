@@ -74,6 +74,9 @@ async def get_server_info(state: State) -> ORJSONResponse:
             "context_length": engine.context_length,
             "max_running_requests": engine.max_running,
             "max_queued_requests": engine.max_queued,
+            # no prefix (radix) cache: a request's KV lives as long as the request, so a
+            # weight update has no cached KV to flush (SGLang's server argument of this name)
+            "disable_radix_cache": True,
             "num_queued_reqs": engine.num_queued(),
             "skip_tokenizer_init": engine.tokenizer is None,
             "num_running_reqs": engine.num_running(),

@@ -43,6 +43,10 @@ class Engine:
     applied: int = 0
     #: its tensor-parallel size (0: not asked yet); one payload / group rank per TP rank
     tp_size: int = 0
+    #: it keeps a prefix (radix) cache, which the sync flushes once generation is paused (the
+    #: cached KV was computed with the old weights); False where its ``/get_server_info``
+    #: says ``disable_radix_cache`` (SGLang's server argument; the built-in engine has none)
+    prefix_cache: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
