@@ -43,6 +43,21 @@ def check_chunked_prefill_size(v: int | None) -> int | None:
     return v
 
 
+def engine_problem(backend: str, tp_size: int, device: str | None) -> tuple[str, str] | None:
+    """What stops ``backend`` from serving ``tp_size``-way on ``device`` (None: not known yet):
+    (the setting at fault, why and what to do), or None. The one place these rules live; the
+    caller names the key in its own terms (``engines.tp_size``, ``--tp-size``, ...). Here, not
+    in titan_rl/actors/config.py, so the engine's command line checks them without importing
+    the job's configs (pydantic models, the YAML loader)."""
+    if backend == "sglang" and device == "cpu":
+        return "backend", (
+            "SGLang needs a cuda or musa accelerator and this machine's is cpu (SGLang's CPU "
+            "build is not installable here); use the built-in engine, backend builtin (or "
+            "auto), on CPU"
+        )
+    return None
+
+
 def _help(text: str, *aliases: str) -> dict[str, Any]:
     return {"help": text, "aliases": aliases}
 
@@ -177,6 +192,7 @@ __all__ = [
     "EngineSettings",
     "add_arguments",
     "check_chunked_prefill_size",
+    "engine_problem",
     "flag",
     "from_arguments",
     "settings_argv",

@@ -17,7 +17,7 @@ from typing import Any, Literal, cast
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from titan_core.config import Section
-from titan_rl.engine_settings import DEFAULTS, Dtype, check_chunked_prefill_size
+from titan_rl.engine_settings import DEFAULTS, Dtype, check_chunked_prefill_size, engine_problem
 from titan_rl.nodes import RayNode
 
 EngineBackend = Literal["builtin", "sglang"]
@@ -29,19 +29,6 @@ def resolve_backend(requested: str, accelerator: str) -> EngineBackend:
     if requested == "auto":
         return "builtin" if accelerator == "cpu" else "sglang"
     return cast(EngineBackend, requested)
-
-
-def engine_problem(backend: str, tp_size: int, device: str | None) -> tuple[str, str] | None:
-    """What stops ``backend`` from serving ``tp_size``-way on ``device`` (None: not known yet):
-    (the setting at fault, why and what to do), or None. The one place these rules live; the
-    caller names the key in its own terms (``engines.tp_size``, ``--tp-size``, ...)."""
-    if backend == "sglang" and device == "cpu":
-        return "backend", (
-            "SGLang needs a cuda or musa accelerator and this machine's is cpu (SGLang's CPU "
-            "build is not installable here); use the built-in engine, backend builtin (or "
-            "auto), on CPU"
-        )
-    return None
 
 
 def _check(backend: str, tp_size: int, device: str | None) -> None:

@@ -14,7 +14,7 @@ import resource
 import sys
 
 from titan_core import startup_gc
-from titan_rl.engine_settings import add_arguments, from_arguments
+from titan_rl.engine_settings import add_arguments, engine_problem, from_arguments
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 #: file descriptors kept for the model, logs and the weight-sync transports beyond connections
@@ -73,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def validate(args: argparse.Namespace) -> None:
     """Reject what the CPU engine cannot do, with the fix in the message."""
-    from titan_rl.actors.config import engine_problem
-
     try:
         from_arguments(args)
     except ValueError as e:
@@ -135,13 +133,14 @@ def bind_weight_groups() -> None:
     trainer's node reaches it, not where the host name resolves (titan_core.parallel.nodes).
     The TP ranks' own group keeps 127.0.0.1 (it names its device)."""
     from titan_core.net import node_address
-    from titan_core.parallel.nodes import bind_gloo
 
     try:
         address = node_address()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if address:
+        from titan_core.parallel.nodes import bind_gloo  # only then: its import is work too
+
         bind_gloo(address)
 
 
