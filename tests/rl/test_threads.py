@@ -142,18 +142,25 @@ def test_dry_run_prints_the_threads(cores, capsys):
     )
 
 
-def test_a_local_ray_runs_its_workers_at_niceness_0(monkeypatch):
+def test_a_local_ray_runs_its_workers_at_niceness_0_and_prestarts_none(monkeypatch):
     from titan_rl.config import RayConfig
-    from titan_rl.placement import NICENESS_ENV, placement_plan, ray_init_kwargs
+    from titan_rl.placement import NICENESS_ENV, PRESTART_ENV, placement_plan, ray_init_kwargs
 
     cfg = load_config(GRPOConfig, MATH, [])
     plan = _plan()
     monkeypatch.delenv(NICENESS_ENV, raising=False)
-    assert ray_init_kwargs(RayConfig(), plan)["_system_config"] == {"worker_niceness": 0}
+    monkeypatch.delenv(PRESTART_ENV, raising=False)
+    assert ray_init_kwargs(RayConfig(), plan)["_system_config"] == {
+        "worker_niceness": 0, "prestart_worker_first_driver": False,
+    }  # fmt: skip
     assert "ray: local, workers at niceness 0 (Ray's default: 15)" in placement_plan(cfg)
     monkeypatch.setenv(NICENESS_ENV, "10")  # the user's stands
-    assert "_system_config" not in ray_init_kwargs(RayConfig(), plan)
+    assert ray_init_kwargs(RayConfig(), plan)["_system_config"] == {
+        "prestart_worker_first_driver": False
+    }
     assert "ray: local, workers at niceness 10 (RAY_worker_niceness)" in placement_plan(cfg)
+    monkeypatch.setenv(PRESTART_ENV, "1")  # so does this one
+    assert "_system_config" not in ray_init_kwargs(RayConfig(), plan)
     # joining a cluster: its own settings (Ray refuses system settings there)
     assert "_system_config" not in ray_init_kwargs(RayConfig(address="auto"), plan)
 
