@@ -75,6 +75,7 @@ def run(cfg: PretrainConfig) -> int:
     from titan_core.signals import StopSignals, exit_code
     from titan_core.training.loop import Trainer
 
+    startup_gc.imported()  # torch's and megatron-core's objects; settle() collects the build's
     signals = StopSignals()
     try:
         signals.install()  # SIGTERM / SIGINT: stop after the current step, saved

@@ -90,6 +90,7 @@ def _run(cfg: GRPOConfig, stop: StopSignals) -> int:
     from titan_rl.job import Job
     from titan_rl.step_timer import StartupTimer
 
+    startup_gc.imported()  # torch's and Ray's objects; the settle after start-up collects the rest
     startup = StartupTimer()
     cfg = resolve_config(cfg)
     job = Job.start(cfg, stop, startup)  # prepare, ray, engines / trainers side by side

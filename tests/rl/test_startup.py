@@ -148,6 +148,42 @@ def test_the_collector_is_paused_for_a_start_up_and_on_again_after_it():
         gc.enable()
 
 
+def test_what_the_imports_made_is_frozen_uncollected_and_the_rest_collected_at_settle():
+    """``imported``: the objects so far move into the permanent generation without a
+    collection (the imports' cyclic garbage stays, the collector stays off); ``settle``
+    then collects only what came after and freezes what lives."""
+    import gc
+    import weakref
+
+    from titan_core import startup_gc
+
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref:
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle only the collector frees
+        return weakref.ref(a)
+
+    try:
+        with startup_gc.paused():
+            from_imports = cycle()
+            frozen = gc.get_freeze_count()
+            startup_gc.imported()
+            assert not gc.isenabled() and gc.get_freeze_count() > frozen
+            from_build = cycle()
+            startup_gc.settle()
+            assert gc.isenabled()
+            assert from_build() is None  # the build's garbage: collected
+            assert from_imports() is not None  # the imports': frozen with them
+            gc.unfreeze()
+            gc.collect()
+            assert from_imports() is None  # a full collection would have freed it
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
 def test_shutdown_local_ray_stops_every_process_of_the_job_s_ray():
     """The job's own Ray stops without ``ray.shutdown``'s 1 s wait on the autoscaler
     monitor (SIGKILLed first), and leaves none of its processes behind."""

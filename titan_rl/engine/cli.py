@@ -161,6 +161,7 @@ def _serve(args: argparse.Namespace) -> None:
     from titan_rl.engine.core import Engine
     from titan_rl.engine.server import create_app
 
+    startup_gc.imported()  # torch's, FastAPI's: the settle below collects the model load's
     bind_weight_groups()
     try:
         engine = Engine(

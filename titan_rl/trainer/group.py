@@ -67,6 +67,7 @@ class TrainerWorker:
         # megatron, in the trainer's process only (the driver holds this module too)
         from titan_rl.trainer.policy import PolicyTrainer
 
+        startup_gc.imported()  # megatron's and torch's objects: setup() collects the build's
         self.cfg = GRPOConfig.model_validate(cfg)
         self.trainer = PolicyTrainer(self.cfg, self.world_size)
         self.sync = None
