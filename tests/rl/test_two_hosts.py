@@ -181,13 +181,19 @@ def test_tensor_to_engines_on_another_host_is_refused(cluster, base, tmp_path):
     assert "sync.transport=tensor" in proc.stderr and f"engine 0 on {HOST_B}" in proc.stderr
 
 
+#: the losing-host-B run's steps
+LOST_HOST_RUN_STEPS = 60
+
+
 def test_losing_host_b_is_said_saved_and_exits_1_then_the_rerun_resumes(cluster, base, tmp_path):
     """Host B's raylet killed mid-run: the job names the node and the engine it held within
     seconds, saves its last completed step and exits 1 (never hangs); with B back, the same
     command resumes there."""
     run_dir = tmp_path / "run"
-    cmd = _command(cluster, base, run_dir, "run.num_steps=12", "run.save_interval=null",
-                   "sync.transport=distributed")  # fmt: skip
+    # steps enough that the run cannot end before B's engine goes: a step takes ~0.2 s, and
+    # an engine outlives its raylet by a few seconds (the watch says the loss meanwhile)
+    cmd = _command(cluster, base, run_dir, f"run.num_steps={LOST_HOST_RUN_STEPS}",
+                   "run.save_interval=null", "sync.transport=distributed")  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             cwd=REPO, env=cluster.env)  # fmt: skip
     out: list[str] = []
@@ -228,4 +234,4 @@ def test_losing_host_b_is_said_saved_and_exits_1_then_the_rerun_resumes(cluster,
     assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
     assert f"at step {saved}" in again.stdout
     steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
-    assert steps == list(range(1, 13)), steps
+    assert steps == list(range(1, LOST_HOST_RUN_STEPS + 1)), steps
