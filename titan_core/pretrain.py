@@ -62,6 +62,10 @@ def _main(argv: list[str] | None) -> int:
 def run(cfg: PretrainConfig) -> int:
     """Train with a validated config; returns the process exit code."""
     warnings.filterwarnings("ignore", module="megatron")
+    from titan_core.accelerator import get_accelerator
+    from titan_core.accelerator.megatron_compat import import_megatron
+
+    import_megatron(get_accelerator())  # first, as the device runs it (on CPU, uncompiled)
     from titan_core.checkpoint import CheckpointError
     from titan_core.parallel import peer_watch
     from titan_core.parallel.initialize import initialize, shutdown

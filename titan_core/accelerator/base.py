@@ -33,6 +33,10 @@ class Accelerator(ABC):
     #: process-group backends a weight-update group may use (``sync.distributed.backend``): the
     #: device's own, and gloo (CPU tensors travel over gloo everywhere).
     weight_update_backends: tuple[str, ...] = ("gloo",)
+    #: megatron-core's fusion functions (``megatron.core.jit.jit_fuser``) run through
+    #: ``torch.compile`` (megatron's own choice); False: eagerly, and megatron-core is
+    #: imported without the compiler (``megatron_compat.import_megatron``).
+    compiles_megatron_fusions: bool = True
 
     # ---- identity and placement -------------------------------------------------------
     @abstractmethod

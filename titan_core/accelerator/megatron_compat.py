@@ -45,6 +45,17 @@ those calls here and nowhere else, in two parts:
      as always).
 
 Everything patched is recorded, so :func:`uninstall_megatron_compat` restores it (tests).
+
+Before either, :func:`import_megatron` is a process's first import of megatron-core (the
+trainer's build, ``titan_core.pretrain``). Where the accelerator runs megatron's fusion
+functions eagerly (``Accelerator.compiles_megatron_fusions`` False: CPU), it imports
+megatron-core without ``torch.compile``. ``megatron.core.jit`` sets ``jit_fuser =
+torch.compile`` at its import and some 25 modules decorate functions with it as they load; each
+decoration imports dynamo and inductor (~1.5 s of the 3 s import here) for functions a CPU
+run never compiles. So for that one import ``torch.compile`` answers as the identity, then
+megatron's own ``disable_jit_fuser()`` makes the modules imported later take its no-op
+decorator, and ``torch.compile`` is itself again. The one such function the CPU path calls
+(the MoE router's ``_apply_expert_bias``, an integer count) then runs eagerly: the same values.
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -274,6 +286,33 @@ def _install_te_gemm_fallback() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         _patch(moe_utils, "te_general_gemm", None)
+
+
+@contextlib.contextmanager
+def _compile_as_identity() -> Iterator[None]:
+    """``torch.compile`` (as a call or a decorator factory) returns what it is given."""
+
+    def identity(model: Any = None, **kwargs: Any) -> Any:
+        return (lambda fn: fn) if model is None else model
+
+    original = torch.compile
+    torch.compile = identity  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.compile = original  # type: ignore[assignment]
+
+
+def import_megatron(accel: Accelerator) -> None:
+    """Import megatron-core for ``accel`` (see the module's docstring): without
+    ``torch.compile`` on its fusion functions where ``accel`` runs them eagerly. A process
+    that has imported megatron-core already keeps it as it is."""
+    if "megatron.core" in sys.modules or accel.compiles_megatron_fusions:
+        importlib.import_module("megatron.core")
+        return
+    with _compile_as_identity():
+        importlib.import_module("megatron.core")
+        importlib.import_module("megatron.core.jit").disable_jit_fuser()
 
 
 def install_megatron_compat(accel: Accelerator) -> None:

@@ -11,6 +11,8 @@ import ray
 import torch
 
 from titan_core import startup_gc
+from titan_core.accelerator import get_accelerator
+from titan_core.accelerator.megatron_compat import import_megatron
 from titan_core.checkpoint.dist import unwrap
 from titan_core.net import free_port
 from titan_core.training.profiling import StepProfiler
@@ -65,6 +67,7 @@ class TrainerWorker:
             flush=True,
         )
         # megatron, in the trainer's process only (the driver holds this module too)
+        import_megatron(get_accelerator())  # as the device runs it (on CPU, uncompiled)
         from titan_rl.trainer.policy import PolicyTrainer
 
         startup_gc.imported()  # megatron's and torch's objects: setup() collects the build's
