@@ -8,7 +8,10 @@ same submodules (embedding, norms, projections, rotary embedding, MLP or MoE blo
 in the same order, so their weights, tensor-parallel shards (titan_rl/engine/tp/shard.py) and
 hooks (the routing recorder) are the ones the transformers path uses; it computes attention
 itself: a decode step's one query per row as two batched products and a softmax, in float32
-(as the SDPA kernel accumulates), a prompt with ``scaled_dot_product_attention``.
+(as the SDPA kernel accumulates), a prompt with ``scaled_dot_product_attention``. Two parts
+give the modules' values another way, bit for bit: the RMSNorms through torch's ``rms_norm``
+(with the module's weight and epsilon), and the rotary ``cos, sin`` from a table the module
+makes once (default RoPE), indexed by position.
 
 It serves the decoder families the engine serves (Llama, Qwen2, Qwen3, Qwen3-MoE: pre-norm
 layers, rotary attention with grouped KV heads, optional QK norms); :func:`lean_forward`
@@ -25,11 +28,58 @@ import torch.nn.functional as F
 #: the attributes the forward reads from each decoder layer and its attention module
 _LAYER_PARTS = ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp")
 _ATTN_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling")
+#: the served families' RMSNorms: ``weight * (x * rsqrt(mean(x**2) + eps))``, in float32
+_RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"})
+#: the rotary table's first size, in positions (it doubles as positions beyond it come)
+_ROTARY_POSITIONS = 512
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)``; for a served family's RMSNorm without hooks, the same values from
+    torch's ``rms_norm`` (a decode step's norms are a third of its ops: the module's five
+    elementwise ops and its call cost more than the product they scale)."""
+    if (
+        type(module).__name__ not in _RMS_NORMS
+        or module._forward_hooks
+        or module._forward_pre_hooks
+    ):
+        return module(x)
+    weight = module.weight
+    eps = module.variance_epsilon
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    # as the module: normalised in float32, rounded to the input's dtype, then scaled
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+class _RotaryTable:
+    """The rotary embedding's ``cos, sin`` of every position up to the longest asked, made
+    by the model's own module once and indexed per step (the module's ten ops per step
+    become two). Only for the default RoPE, whose frequencies never change; other kinds
+    (dynamic scaling) are asked of the module each time."""
+
+    def __init__(self, rotary: torch.nn.Module) -> None:
+        self.rotary = rotary
+        self.static = getattr(rotary, "rope_type", "default") == "default"
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(
+        self, h: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.static:
+            return self.rotary(h, position_ids)
+        need = int(position_ids.max()) + 1
+        table = self._tables.get(h.dtype)
+        if table is None or table[0].shape[0] < need:
+            size = max(need, _ROTARY_POSITIONS, 2 * table[0].shape[0] if table else 0)
+            cos, sin = self.rotary(h[:1, :1], torch.arange(size).unsqueeze(0))
+            table = self._tables[h.dtype] = (cos[0], sin[0])
+        return table[0][position_ids], table[1][position_ids]
 
 
 class LeanForward:
@@ -40,7 +90,7 @@ class LeanForward:
         inner = model.model
         self.embed = inner.embed_tokens
         self.norm = inner.norm
-        self.rotary = inner.rotary_emb
+        self.rotary = _RotaryTable(inner.rotary_emb)
         self.lm_head = model.lm_head
         self.layers = list(inner.layers)
 
@@ -67,14 +117,14 @@ class LeanForward:
         bias = self._attention_bias(attention_mask, past, seq, h.dtype)
         for i, layer in enumerate(self.layers):
             residual = h
-            x = layer.input_layernorm(h)
+            x = _norm(layer.input_layernorm, h)
             h = residual + self._attention(layer.self_attn, x, cos, sin, cache.layers[i], bias)
             residual = h
-            out = layer.mlp(layer.post_attention_layernorm(h))
+            out = layer.mlp(_norm(layer.post_attention_layernorm, h))
             h = residual + (out[0] if isinstance(out, tuple) else out)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return self.lm_head(self.norm(h))
+        return self.lm_head(_norm(self.norm, h))
 
     @staticmethod
     def _attention_bias(
@@ -109,7 +159,7 @@ class LeanForward:
         k = attn.k_proj(x).view(bsz, seq, -1, d)
         v = attn.v_proj(x).view(bsz, seq, -1, d).transpose(1, 2)
         if getattr(attn, "q_norm", None) is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
