@@ -94,6 +94,7 @@ def test_padding_rows_leave_the_softmax_on_each_tp_slice(monkeypatch, rank) -> N
     from titan_rl.trainer.policy import without_padding_rows
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: rank)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     full = torch.randn(3, 384)
     local = full[:, rank * 192 : (rank + 1) * 192]
     masked = without_padding_rows(local, 300)
@@ -105,3 +106,47 @@ def test_padding_rows_leave_the_softmax_on_each_tp_slice(monkeypatch, rank) -> N
         both = torch.cat([full[:, :192], masked], dim=1)
         ref = torch.log_softmax(full[:, :300], -1)
         assert torch.allclose(torch.log_softmax(both, -1)[:, :300], ref, atol=1e-6)
+
+
+#: token_logprobs in a one-rank process group with megatron's parallel state (TP 1)
+_TP1_LOGPROBS = """
+import json, torch, torch.distributed as dist
+from megatron.core import parallel_state
+from titan_core.accelerator.cpu import CpuAccelerator
+from titan_core.accelerator.megatron_compat import install_megatron_compat
+from titan_core.net import free_port
+from titan_rl.trainer.policy import token_logprobs, without_padding_rows
+install_megatron_compat(CpuAccelerator())
+dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+parallel_state.initialize_model_parallel()
+g = torch.Generator().manual_seed(0)
+logits = torch.randn(4, 7, 128, generator=g)
+logits[..., 100:] = 50.0  # padding rows scoring high: they must not count
+kept = without_padding_rows(logits, 100)
+targets = torch.randint(0, 100, (4, 7), generator=g)
+ref = torch.log_softmax(logits[..., :100].double(), -1).gather(-1, targets[..., None])[..., 0]
+got = token_logprobs(logits, targets, 100)
+print(json.dumps({
+    "shape": list(kept.shape), "same_values": torch.equal(kept, logits[..., :100]),
+    "a_copy": kept.is_contiguous() and kept.data_ptr() != logits.data_ptr(),
+    "max_err": (got.double() - ref).abs().max().item(),
+    "input_untouched": torch.equal(logits[..., 100:], torch.full((4, 7, 28), 50.0)),
+}))
+"""
+
+
+def test_at_tp1_padding_rows_are_left_out_and_the_logprobs_are_the_vocabularys() -> None:
+    """At TP 1 the padding rows are dropped (a copy: megatron's cross entropy writes to its
+    input), and the token logprobs through megatron's vocab-parallel cross entropy are an
+    fp64 log-softmax's over the real ids, whatever the padding rows hold."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _TP1_LOGPROBS], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["shape"] == [4, 7, 100] and seen["same_values"] and seen["a_copy"]
+    assert seen["max_err"] < 1e-5 and seen["input_untouched"]
