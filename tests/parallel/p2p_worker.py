@@ -13,10 +13,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core.model_parallel_config import ModelParallelConfig
 
-from titan_core.parallel.p2p_channels import P2PTransferError
-from titan_core.parallel.p2p_mooncake import SLOTS, MooncakeP2PCommunicator
+from titan_core.accelerator import get_accelerator
+from titan_core.accelerator.megatron_compat import import_megatron
+
+import_megatron(get_accelerator())  # first, as the trainer and pretrain import it
+from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
+
+from titan_core.parallel.p2p_channels import P2PTransferError  # noqa: E402
+from titan_core.parallel.p2p_mooncake import SLOTS, MooncakeP2PCommunicator  # noqa: E402
 
 SHAPE = (8, 2, 16)  # 1 KiB in fp32: four times the 256-byte initial capacity
 
