@@ -47,7 +47,8 @@ those calls here and nowhere else, in two parts:
 Everything patched is recorded, so :func:`uninstall_megatron_compat` restores it (tests).
 
 Before either, :func:`import_megatron` is a process's first import of megatron-core (the
-trainer's build, ``titan_core.pretrain``). Where the accelerator runs megatron's fusion
+trainer's build, ``titan_core.pretrain``, the slime / miles backend's ranks and its
+``convert_hf_to_torch_dist``). Where the accelerator runs megatron's fusion
 functions eagerly (``Accelerator.compiles_megatron_fusions`` False: CPU), it imports
 megatron-core without ``torch.compile``. ``megatron.core.jit`` sets ``jit_fuser =
 torch.compile`` at its import and some 25 modules decorate functions with it as they load; each
