@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -163,9 +164,16 @@ def _say(text: str) -> None:
         os.write(2, f"{text}\n".encode())
 
 
+#: how long :func:`kill_descendants` waits for the killed processes to be gone
+KILLED_WAIT_S = 5.0
+
+
 def kill_descendants() -> None:
     """SIGKILL every process this one started, and theirs (Ray's node, its workers and
-    their servers, a child job): none may outlive a job stopped at once."""
+    their servers, a child job), and wait until each is gone: none may outlive a job
+    stopped at once. A SIGKILL takes effect when its process is next scheduled, which a busy
+    machine delays, so without the wait one could still be running when the job's exit
+    status is seen. Gone: exited, or a zombie (dead; reaped by its parent or by init)."""
     import psutil
 
     try:
@@ -175,3 +183,18 @@ def kill_descendants() -> None:
     for p in procs:  # parents before their children: a supervisor cannot restart one
         with contextlib.suppress(psutil.Error):
             p.kill()
+    deadline = time.monotonic() + KILLED_WAIT_S
+    while procs and time.monotonic() < deadline:
+        procs = [p for p in procs if _running(p)]
+        if procs:
+            time.sleep(0.01)
+
+
+def _running(p: Any) -> bool:
+    """``p`` (a psutil.Process) exists and is not a zombie."""
+    import psutil
+
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
