@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -173,7 +172,8 @@ def kill_descendants() -> None:
     their servers, a child job), and wait until each is gone: none may outlive a job
     stopped at once. A SIGKILL takes effect when its process is next scheduled, which a busy
     machine delays, so without the wait one could still be running when the job's exit
-    status is seen. Gone: exited, or a zombie (dead; reaped by its parent or by init)."""
+    status is seen (``psutil.wait_procs``: this process reaps its children, init the
+    rest once their parents are dead)."""
     import psutil
 
     try:
@@ -183,18 +183,4 @@ def kill_descendants() -> None:
     for p in procs:  # parents before their children: a supervisor cannot restart one
         with contextlib.suppress(psutil.Error):
             p.kill()
-    deadline = time.monotonic() + KILLED_WAIT_S
-    while procs and time.monotonic() < deadline:
-        procs = [p for p in procs if _running(p)]
-        if procs:
-            time.sleep(0.01)
-
-
-def _running(p: Any) -> bool:
-    """``p`` (a psutil.Process) exists and is not a zombie."""
-    import psutil
-
-    try:
-        return p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+    psutil.wait_procs(procs, timeout=KILLED_WAIT_S)

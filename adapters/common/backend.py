@@ -63,7 +63,7 @@ class TitanBackend:
         from titan_core.accelerator import get_accelerator
         from titan_core.accelerator.megatron_compat import import_megatron
 
-        import_megatron(get_accelerator())  # before the trainer's modules (CPU: uncompiled)
+        import_megatron()  # before the trainer's modules (CPU: uncompiled)
         from titan_core.checkpoint.dist import unwrap
         from titan_core.training.device_memory import TrainerMemory, trainer_tensors
         from titan_rl.trainer.policy import PolicyTrainer

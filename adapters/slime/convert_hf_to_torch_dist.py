@@ -66,10 +66,9 @@ def convert(args: Any) -> Path:
     write the torch_dist checkpoint to ``--save``; returns the iteration folder."""
     import torch.distributed as dist
 
-    from titan_core.accelerator import get_accelerator
     from titan_core.accelerator.megatron_compat import import_megatron
 
-    import_megatron(get_accelerator())  # before the trainer's modules (CPU: uncompiled)
+    import_megatron()  # before the trainer's modules (CPU: uncompiled)
     from adapters.common.config import check_against_hf, flag_overrides
     from titan_core.checkpoint.dist import RELEASE, save_checkpoint
     from titan_core.models.hf import model_config_from_hf

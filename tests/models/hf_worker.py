@@ -20,10 +20,9 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    from titan_core.accelerator import get_accelerator
     from titan_core.accelerator.megatron_compat import import_megatron
 
-    import_megatron(get_accelerator())  # first, as the trainer and pretrain import it
+    import_megatron()  # first, as the trainer and pretrain import it
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)

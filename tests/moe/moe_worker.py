@@ -175,10 +175,9 @@ def trainer(run_dir: str, rate: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    from titan_core.accelerator import get_accelerator
     from titan_core.accelerator.megatron_compat import import_megatron
 
-    import_megatron(get_accelerator())  # first, as the trainer and pretrain import it
+    import_megatron()  # first, as the trainer and pretrain import it
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["single", "count_ep", "trainer"])
     ap.add_argument("--out", required=True)

@@ -14,10 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from titan_core.accelerator import get_accelerator
 from titan_core.accelerator.megatron_compat import import_megatron
 
-import_megatron(get_accelerator())  # first, as the trainer and pretrain import it
+import_megatron()  # first, as the trainer and pretrain import it
 from megatron.core.model_parallel_config import ModelParallelConfig  # noqa: E402
 
 from titan_core.parallel.p2p_channels import P2PTransferError  # noqa: E402

@@ -84,10 +84,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    from titan_core.accelerator import get_accelerator
     from titan_core.accelerator.megatron_compat import import_megatron
 
-    import_megatron(get_accelerator())  # first, as the trainer and pretrain import it
+    import_megatron()  # first, as the trainer and pretrain import it
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--samples", required=True)

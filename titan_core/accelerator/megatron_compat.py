@@ -304,10 +304,15 @@ def _compile_as_identity() -> Iterator[None]:
         torch.compile = original  # type: ignore[assignment]
 
 
-def import_megatron(accel: Accelerator) -> None:
-    """Import megatron-core for ``accel`` (see the module's docstring): without
-    ``torch.compile`` on its fusion functions where ``accel`` runs them eagerly. A process
-    that has imported megatron-core already keeps it as it is."""
+def import_megatron(accel: Accelerator | None = None) -> None:
+    """Import megatron-core for ``accel`` (None: this process's, ``get_accelerator()``; see
+    the module's docstring): without ``torch.compile`` on its fusion functions where
+    ``accel`` runs them eagerly. A process that has imported megatron-core already keeps it
+    as it is."""
+    if accel is None:
+        from titan_core.accelerator import get_accelerator
+
+        accel = get_accelerator()
     if "megatron.core" in sys.modules or accel.compiles_megatron_fusions:
         importlib.import_module("megatron.core")
         return
