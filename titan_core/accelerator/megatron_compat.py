@@ -76,6 +76,7 @@ from torch.overrides import TorchFunctionMode
 
 from titan_core.accelerator.base import Accelerator
 from titan_core.accelerator.cpu import InertEvent, InertStream
+from titan_core.accelerator.registry import get_accelerator
 
 _PATCHES: list[tuple[Any, str, Any]] = []
 _INSTALLED_FOR: str | None = None
@@ -310,8 +311,6 @@ def import_megatron(accel: Accelerator | None = None) -> None:
     ``accel`` runs them eagerly. A process that has imported megatron-core already keeps it
     as it is."""
     if accel is None:
-        from titan_core.accelerator import get_accelerator
-
         accel = get_accelerator()
     if "megatron.core" in sys.modules or accel.compiles_megatron_fusions:
         importlib.import_module("megatron.core")
