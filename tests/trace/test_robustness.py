@@ -181,3 +181,51 @@ def test_runs_without_complete_events_change_nothing(
     assert len(with_runs.events.dev_ts) > 0
     if parts == 1:  # the runs (~27 pieces of text) were mostly not decoded
         assert len(decoded) - 2 * n_plain < 10
+
+
+def test_device_stream_mirrors_of_steps_are_not_more_steps(traces: Path, tmp_path: Path) -> None:
+    """The ROCm trace holds ``ProfilerStep#1`` twice: the host's range and its mirror on the
+    device stream (``gpu_user_annotation``). Its one rank has one step 1, the host's, and no
+    peer to be slow against."""
+    out = tmp_path / "report"
+    args = ["analyze", str(traces / "amd_trace"), "--out", str(out), "--no-cache", "--quiet"]
+    assert main([*args, "--workers", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (rank,) = summary["ranks"]
+    events = json.loads(gzip.decompress(next((traces / "amd_trace").glob("*.gz")).read_bytes()))
+    host = [
+        e for e in events["traceEvents"]
+        if e.get("name") == "ProfilerStep#1" and e.get("cat") == "user_annotation"
+    ]  # fmt: skip
+    assert len(host) == 1
+    assert [s["step"] for s in rank["steps"]] == [1]
+    # the step is the host's range (9.3 ms), not the device mirror's (1.0 ms)
+    assert rank["steps"][0]["step_time_us"] > 0.9 * host[0]["dur"]
+    assert summary["slow_ranks"] == []
+
+
+def test_rl_phases_count_the_host_ranges_once(tmp_path: Path) -> None:
+    """A ``titan/rl/<phase>`` range mirrored on the device stream counts once, the host's."""
+
+    def ev(name: str, cat: str, ts: int, dur: int, pid: int, tid: int, **args: int) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts,
+                "dur": dur, "args": args}  # fmt: skip
+
+    events = [
+        ev("ProfilerStep#1", "user_annotation", 1000, 5000, 1, 1),
+        ev("titan/rl/train", "user_annotation", 1500, 3000, 1, 1),
+        ev("cudaLaunchKernel", "cuda_runtime", 1600, 10, 1, 1, correlation=1),
+        ev("gemm", "kernel", 1700, 2000, 0, 7, stream=7, correlation=1),
+        ev("ProfilerStep#1", "gpu_user_annotation", 1700, 2000, 0, 7, stream=7),
+        ev("titan/rl/train", "gpu_user_annotation", 1700, 2000, 0, 7, stream=7),
+        ev("ProfilerStep#2", "user_annotation", 6000, 5000, 1, 1),
+    ]
+    d = tmp_path / "job"
+    d.mkdir()
+    (d / "rank0.json").write_text(json.dumps({"distributedInfo": {"rank": 0},
+                                              "traceEvents": events}))  # fmt: skip
+    results, problems = load_ranks(d, workers=1, progress=False)
+    assert not problems
+    steps = build_summary(results, problems)["ranks"][0]["steps"]
+    assert steps[0]["step"] == 1
+    assert steps[0]["rl_phases_us"] == {"train": 3000}

@@ -16,7 +16,7 @@ from operator import eq, gt, le, lt, sub
 from typing import Any
 
 from titan_core.trace import intervals as iv
-from titan_core.trace.categories import KIND_CODE, KINDS, TraceConfig
+from titan_core.trace.categories import GPU_ANNOTATION, KIND_CODE, KINDS, TraceConfig
 from titan_core.trace.columns import Events, RankTrace
 from titan_core.trace.comm import CommOp, extract_comm_ops
 from titan_core.trace.device_events import GpuEvents, gpu_events
@@ -67,10 +67,11 @@ class RankResult:
 
 
 def profiler_steps(ev: Events) -> list[tuple[int, int, int]]:
-    """(step number, start, end) of the ``ProfilerStep#N`` ranges, in time order."""
+    """(step number, start, end) of the host's ``ProfilerStep#N`` ranges, in time order
+    (their device-stream mirrors are the same steps, not more)."""
     out = []
-    for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
-        if name.startswith("ProfilerStep"):
+    for name, cat, ts, end in zip(ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, strict=True):
+        if name.startswith("ProfilerStep") and cat != GPU_ANNOTATION:
             m = _STEP_RE.match(name)
             if m:
                 out.append((int(m.group(1)), ts, end))
@@ -93,7 +94,7 @@ def analyze_rank(rt: RankTrace, cfg: TraceConfig, rank: int) -> RankResult:
         sets = _cpu_sets(ev, cfg, comm_ops, steps)
     mbs = _microbatches(ev, gpu)
     step_stats = _step_stats(steps, gpu, sets, cfg, mbs)
-    _assign_phases(ev, step_stats)
+    _assign_phases(ev, steps, step_stats)
     _assign_steps(comm_ops, step_stats)
     comp = sets[0]
     if len(comp[0]):  # close <20us gaps
@@ -204,8 +205,8 @@ def _cpu_sets(
         main = None
         st = [
             t
-            for n, t in zip(ev.host_name, ev.host_tid, strict=True)
-            if n.startswith("ProfilerStep")
+            for n, c, t in zip(ev.host_name, ev.host_cat, ev.host_tid, strict=True)
+            if n.startswith("ProfilerStep") and c != GPU_ANNOTATION
         ]
         if st:
             main = Counter(st).most_common(1)[0][0]
@@ -223,18 +224,29 @@ def _cpu_sets(
     return [compute, comm, ([], [])]
 
 
-def _assign_phases(ev: Events, steps: list[StepStats]) -> None:
-    """Sum each step's ``titan/rl/<phase>`` host ranges (the RL loop's rollout/train/sync)."""
-    if not steps:
+def _assign_phases(
+    ev: Events, host_steps: list[tuple[int, int, int]], steps: list[StepStats]
+) -> None:
+    """Sum each step's ``titan/rl/<phase>`` host ranges (the RL loop's rollout/train/sync;
+    not their device-stream mirrors) by the host's ``ProfilerStep`` range holding their
+    start: both are host times, whereas a GPU trace's step window is the device's. Without
+    profiler steps, the one step the whole trace is."""
+    by_number = {s.step: s for s in steps}
+    if not by_number:
         return
-    starts = [s.start for s in steps]
-    for name, ts, end in zip(ev.host_name, ev.host_ts, ev.host_end, strict=True):
-        if not name.startswith(RL_PHASE_PREFIX):
+    if not host_steps:
+        host_steps = [(s.step, s.start, s.end) for s in steps]
+    starts = [s for _, s, _ in host_steps]
+    for name, cat, ts, end in zip(ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, strict=True):
+        if not name.startswith(RL_PHASE_PREFIX) or cat == GPU_ANNOTATION:
             continue
         i = bisect_left(starts, ts + 1) - 1
-        if i >= 0 and ts < steps[i].end:
+        if i < 0 or ts >= host_steps[i][2]:
+            continue
+        step = by_number.get(host_steps[i][0])
+        if step is not None:
             phase = name[len(RL_PHASE_PREFIX) :]
-            steps[i].phases[phase] = steps[i].phases.get(phase, 0) + int(end - ts)
+            step.phases[phase] = step.phases.get(phase, 0) + int(end - ts)
 
 
 def _microbatches(ev: Events, gpu: GpuEvents) -> list[tuple[str, int, int, int, int]]:
@@ -242,7 +254,7 @@ def _microbatches(ev: Events, gpu: GpuEvents) -> list[tuple[str, int, int, int, 
     traces mapped to the span of the kernels they launched."""
     mb = []
     for name, cat, ts, end in zip(ev.host_name, ev.host_cat, ev.host_ts, ev.host_end, strict=True):
-        if cat != "gpu_user_annotation":
+        if cat != GPU_ANNOTATION:
             m = MICROBATCH_RE.match(name)
             if m:
                 mb.append((ts, m, end))

@@ -21,6 +21,9 @@ COMMUNICATION = "communication"
 MEMORY = "memory"
 OTHER = "other"
 KINDS = (COMPUTATION, COMMUNICATION, MEMORY)
+#: the category of a host annotation's mirror on a device stream (the span of the kernels
+#: the host range launched; ROCm and newer CUDA traces): not a range or an op of its own
+GPU_ANNOTATION = "gpu_user_annotation"
 
 #: integer codes used in the columnar frames (cheap to store and compare)
 KIND_CODE = {COMPUTATION: 0, COMMUNICATION: 1, MEMORY: 2, OTHER: 3}

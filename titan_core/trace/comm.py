@@ -20,6 +20,7 @@ from operator import itemgetter
 from typing import Any
 
 from titan_core.trace.categories import (
+    GPU_ANNOTATION,
     KIND_CODE,
     TraceConfig,
     collective_from_kernel,
@@ -104,7 +105,7 @@ def _peer(name: str, own: int | None) -> tuple[str, int | None] | None:
 
 def extract_comm_ops(ev: Events, gpu: GpuEvents, cfg: TraceConfig) -> list[CommOp]:
     """All comm ops of a rank in time order (device kernels, or host ranges if none)."""
-    skip = set(cfg.gpu_event_cats) | {"gpu_user_annotation"}
+    skip = set(cfg.gpu_event_cats) | {GPU_ANNOTATION}
     # matched at the start of the name, as the parser kept them (TraceConfig.is_cpu_comm)
     is_comm = {n: cfg.is_cpu_comm(n) for n in set(ev.host_name)}
     # host ranges as (ts, end, name, tid, info) rows
