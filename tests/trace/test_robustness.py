@@ -229,3 +229,23 @@ def test_rl_phases_count_the_host_ranges_once(tmp_path: Path) -> None:
     steps = build_summary(results, problems)["ranks"][0]["steps"]
     assert steps[0]["step"] == 1
     assert steps[0]["rl_phases_us"] == {"train": 3000}
+
+
+def test_a_rank_is_never_its_own_peer() -> None:
+    """A step number one rank's trace holds twice is that rank's step, not a peer's: with
+    no other rank at that step, nothing is slow."""
+    from types import SimpleNamespace
+
+    from titan_core.trace.stragglers import compute_outliers
+
+    def rank(r: int, *steps: tuple[int, int]) -> SimpleNamespace:
+        return SimpleNamespace(
+            rank=r, steps=[SimpleNamespace(step=n, computation=c) for n, c in steps]
+        )
+
+    assert compute_outliers([rank(0, (1, 300), (1, 9000))], {}) == {}
+    # with peers: the rank's two ranges of step 1 are one step of 9,300 us against 1,000s
+    ranks = [rank(0, (1, 300), (1, 9000)), *(rank(r, (1, 1000 + r)) for r in (1, 2, 3))]
+    out = compute_outliers(ranks, {})
+    assert set(out) == {0} and out[0]["steps"] == 1
+    assert out[0]["excess_us"] == 9300 - 1002

@@ -34,13 +34,15 @@ def late_arrivals(
 def compute_outliers(
     results: list[RankResult], peer_class: dict[int, Any]
 ) -> dict[int, dict[str, float]]:
-    """Steps where a rank's compute time is far above its peers' (same pipeline stage)."""
-    table: dict[tuple[Any, int], list[tuple[int, int]]] = defaultdict(list)
+    """Steps where a rank's compute time is far above its peers' (same pipeline stage):
+    other ranks only (a step number a rank's trace holds twice is summed, not compared)."""
+    table: dict[tuple[Any, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
         for s in r.steps:
-            table[(peer_class.get(r.rank, 0), s.step)].append((r.rank, s.computation))
+            table[(peer_class.get(r.rank, 0), s.step)][r.rank] += s.computation
     out: dict[int, dict[str, float]] = defaultdict(lambda: {"steps": 0, "excess_us": 0.0})
-    for vals in table.values():
+    for by_rank in table.values():
+        vals = list(by_rank.items())
         if len(vals) < 2:
             continue
         x = [float(v) for _, v in vals]
