@@ -81,6 +81,15 @@ def test_critical_path_and_what_if(job: tuple[dict, dict]) -> None:
         cp = st["critical_path"]
         total = sum(cp["time_by_kind_us"].values())
         assert total == pytest.approx(st["replayed_us"], rel=0.1)
+        # local work split by the compute stream: no rank computes on the path longer than
+        # its step's computation (20 us gaps closed)
+        assert set(cp["time_by_kind_us"]) <= {"compute", "idle", "comm"}
+        computation = {
+            str(r["rank"]): next(x for x in r["steps"] if x["step"] == st["step"])["computation_us"]
+            for r in s["ranks"]
+        }
+        for rank, busy in cp["compute_by_rank_us"].items():
+            assert busy <= computation[rank] * 1.05, (rank, busy, computation[rank])
         assert max(cp["compute_by_rank_us"], key=lambda k: cp["compute_by_rank_us"][k]) == "5"
         wi = {w["rank"]: w for w in st["what_if"]}
         assert wi[5]["saved_us"] >= 0

@@ -249,3 +249,20 @@ def test_a_rank_is_never_its_own_peer() -> None:
     out = compute_outliers(ranks, {})
     assert set(out) == {0} and out[0]["steps"] == 1
     assert out[0]["excess_us"] == 9300 - 1002
+
+
+def test_critical_path_tells_compute_from_idle(traces: Path, tmp_path: Path) -> None:
+    """The alexnet benchmark trace (one rank, no profiler steps): its 12.9 s are ~11 ms of
+    kernels and host time between them. The critical path says so (compute as the step's
+    own computation, within the 20 us gaps the path's coarse intervals close), not 12.9 s
+    of compute."""
+    out = tmp_path / "report"
+    args = ["analyze", str(traces / "critical_path"), "--out", str(out), "--no-cache", "--quiet"]
+    assert main([*args, "--workers", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    (step,) = summary["ranks"][0]["steps"]
+    (cp,) = summary["critical_path"]["steps"]
+    kinds = cp["critical_path"]["time_by_kind_us"]
+    assert kinds["compute"] == pytest.approx(step["computation_us"], rel=0.05)
+    assert kinds["compute"] + kinds["idle"] == pytest.approx(cp["critical_path"]["length_us"])
+    assert kinds["idle"] > 0.99 * step["step_time_us"]

@@ -16,8 +16,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from titan_core.trace import intervals as iv
 from titan_core.trace.breakdown import RankResult
-from titan_core.trace.intervals import median
+from titan_core.trace.intervals import Intervals, median
 from titan_core.trace.matching import Key
 
 
@@ -158,9 +159,17 @@ def replay(
 
 
 def critical_path(
-    seqs: dict[int, list[_Op]], bounds: dict[int, tuple[float, float]], rep: dict[str, Any]
+    seqs: dict[int, list[_Op]],
+    bounds: dict[int, tuple[float, float]],
+    rep: dict[str, Any],
+    compute: dict[int, tuple[Intervals, float]] | None = None,
 ) -> dict[str, Any]:
-    """Walk back from the last rank to finish; segments are local work or transfers."""
+    """Walk back from the last rank to finish; segments are local work or transfers.
+
+    ``compute``: per rank, its compute stream's busy intervals (on its own clock) and its
+    clock offset: a local segment's time is then split into ``compute`` (the stream busy)
+    and ``idle`` (host overhead, launch waits, copies: local time without computation);
+    without it, all local time counts as ``compute``."""
     ends = rep["ends"]
     r = max(ends, key=lambda x: ends[x])
     segs: list[tuple[int, str, float, float]] = []
@@ -200,20 +209,28 @@ def critical_path(
             merged.append(list(s))
     by_kind: dict[str, float] = defaultdict(float)
     by_rank: dict[int, float] = defaultdict(float)
+    segments = []
     for rank, kind, a, b in merged:
-        by_kind[kind] += b - a
-        if kind == "compute":
-            by_rank[rank] += b - a
+        seg = {"rank": rank, "kind": kind, "start_us": round(a, 1), "end_us": round(b, 1)}
+        if kind == "comm":
+            by_kind["comm"] += b - a
+        else:
+            busy = b - a
+            if compute is not None and rank in compute:
+                intervals, off = compute[rank]
+                busy = float(iv.total(iv.clip(intervals, a + off, b + off)))
+                by_kind["idle"] += (b - a) - busy
+                seg["compute_us"] = round(busy, 1)
+            by_kind["compute"] += busy
+            by_rank[rank] += busy
+        segments.append(seg)
     return {
         "length_us": round(max(ends.values()) - rep["start"], 1),
         "time_by_kind_us": {k: round(v, 1) for k, v in by_kind.items()},
         "compute_by_rank_us": {
             str(k): round(v, 1) for k, v in sorted(by_rank.items(), key=lambda x: -x[1])[:20]
         },
-        "segments": [
-            {"rank": s[0], "kind": s[1], "start_us": round(s[2], 1), "end_us": round(s[3], 1)}
-            for s in merged[:400]
-        ],
+        "segments": segments[:400],
     }
 
 
@@ -234,6 +251,7 @@ def analyze_steps(
     for r in results:
         for s in r.steps:
             comp[(peer_class.get(r.rank, 0), s.step)].append((r.rank, s.computation))
+    compute = {r.rank: (r.compute_coarse, offsets.get(r.rank, 0.0)) for r in results}
     out = []
     for step in steps[-max_steps:]:
         seqs, bounds = _build(results, step, keys, offsets)
@@ -246,7 +264,7 @@ def analyze_steps(
             "step": step,
             "observed_us": round(observed, 1),
             "replayed_us": round(base, 1),
-            "critical_path": critical_path(seqs, bounds, rep),
+            "critical_path": critical_path(seqs, bounds, rep, compute),
             "what_if": [],
         }
         for cand in candidates:
