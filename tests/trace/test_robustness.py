@@ -266,3 +266,22 @@ def test_critical_path_tells_compute_from_idle(traces: Path, tmp_path: Path) -> 
     assert kinds["compute"] == pytest.approx(step["computation_us"], rel=0.05)
     assert kinds["compute"] + kinds["idle"] == pytest.approx(cp["critical_path"]["length_us"])
     assert kinds["idle"] > 0.99 * step["step_time_us"]
+
+
+def test_the_printed_summary_says_steps_and_slow_ranks_in_words(
+    traces: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "report"
+    assert main(["analyze", str(traces / "trace_filter"), "--out", str(out), "--no-cache"]) == 0
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    for r in summary["ranks"]:
+        mean = sum(x["step_time_us"] for x in r["steps"]) / len(r["steps"])
+        assert f"rank {r['rank']:>5}: {len(r['steps'])} steps of {mean / 1e3:.1f} ms" in printed
+    (slow,) = summary["slow_ranks"]
+    ev = slow["evidence"]
+    line = next(x for x in printed.splitlines() if x.startswith(f"  slow rank {slow['rank']}:"))
+    assert (
+        f"in {ev['compute_outlier_steps']} steps (+{ev['compute_excess_us'] / 1e3:.2f} ms" in line
+    )
+    assert "{" not in line

@@ -85,6 +85,24 @@ def _jsonable(x: object) -> object:
     raise TypeError(type(x))
 
 
+def _evidence(ev: dict) -> str:
+    """A slow rank's evidence (stragglers.slow_ranks) in words."""
+    parts = []
+    if "last_arrivals" in ev:
+        parts.append(
+            f"last at {ev['last_arrivals']} of {ev['collectives']} collectives "
+            f"({ev['late_delay_us'] / 1e3:.2f} ms late)"
+        )
+    if "compute_outlier_steps" in ev:
+        parts.append(
+            f"compute above its peers' in {ev['compute_outlier_steps']} steps "
+            f"(+{ev['compute_excess_us'] / 1e3:.2f} ms; peers' median "
+            f"{ev['peer_median_compute_us'] / 1e3:.2f} ms)"
+        )
+    parts.append(f"clock offset {ev['clock_offset_us']:.0f} us")
+    return ", ".join(parts)
+
+
 def _print_summary(s: dict, secs: float, out: Path, report: bool) -> None:
     print(f"{s['num_ranks']} ranks analyzed in {secs:.1f}s; {len(s['problems'])} files skipped")
     for r in s["ranks"][:8]:
@@ -92,14 +110,16 @@ def _print_summary(s: dict, secs: float, out: Path, report: bool) -> None:
         st = r["steps"]
         step = sum(x["step_time_us"] for x in st) / len(st) if st else 0
         print(
-            f"  rank {r['rank']:>5}: compute {k['computation'] / 1e3:9.1f} ms  comm "
-            f"{k['communication'] / 1e3:9.1f} ms  memory {k['memory'] / 1e3:8.1f} ms  "
-            f"step {step / 1e3:8.1f} ms ({len(st)} steps)"
+            f"  rank {r['rank']:>5}: {len(st)} steps of {step / 1e3:.1f} ms on average; kernel "
+            f"time as HTA counts it: compute {k['computation'] / 1e3:.1f} ms, comm "
+            f"{k['communication'] / 1e3:.1f} ms, memory {k['memory'] / 1e3:.1f} ms"
         )
     if s["num_ranks"] > 8:
         print(f"  ... {s['num_ranks'] - 8} more ranks")
     for e in s["slow_ranks"][:3]:
-        print(f"  slow rank {e['rank']}: {e['severity_us'] / 1e3:.2f} ms  {e['evidence']}")
+        print(
+            f"  slow rank {e['rank']}: {e['severity_us'] / 1e3:.2f} ms; {_evidence(e['evidence'])}"
+        )
     for g in s["pipeline"]["groups"][:2]:
         br = ", ".join(f"{x['bubble_ratio']}" for x in g["stages"])
         print(
