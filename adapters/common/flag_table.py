@@ -170,12 +170,8 @@ FLAG_TABLE: dict[str, Entry] = {
     "num_layers_per_virtual_pipeline_stage": Refused(
         "use --virtual-pipeline-model-parallel-size (chunks per pipeline stage)"
     ),
-    "decoder_first_pipeline_num_layers": Refused(
-        "Titan splits layers evenly over pipeline stages; drop the flag"
-    ),
-    "decoder_last_pipeline_num_layers": Refused(
-        "Titan splits layers evenly over pipeline stages; drop the flag"
-    ),
+    "decoder_first_pipeline_num_layers": _key("parallel.num_layers_in_first_pipeline_stage"),
+    "decoder_last_pipeline_num_layers": _key("parallel.num_layers_in_last_pipeline_stage"),
     "cp_comm_type": NoEffect(
         "Titan's context parallelism uses megatron-core's default exchange (p2p ring)"
     ),

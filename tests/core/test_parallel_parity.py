@@ -23,6 +23,11 @@ LAYOUTS = {
         "parallel.pipeline_model_parallel_size=2",
         "parallel.virtual_pipeline_model_parallel_size=2",
     ],
+    # megatron-core's uneven split: 1 of the 4 layers on the first stage, 3 on the last
+    "pp2-uneven": [
+        "parallel.pipeline_model_parallel_size=2",
+        "parallel.num_layers_in_first_pipeline_stage=1",
+    ],
 }
 
 
@@ -52,21 +57,31 @@ def layout_run(tmp_path_factory, dense_seed) -> Callable[[str], Path]:
     def run(name: str) -> Path:
         if name not in done:
             d = tmp_path_factory.mktemp(name)
-            run_pretrain(
+            proc = run_pretrain(
                 TINY,
                 [*FAST, *STEPS, *LAYOUTS[name], f"run.dir={d}",
                  f"checkpoint.pretrained_checkpoint={dense_seed}"],
                 nproc=2,
             )  # fmt: skip
+            (d / "stdout.log").write_text(proc.stdout)
             done[name] = d
         return done[name]
 
     return run
 
 
+#: the decoder layers per pipeline stage each layout builds (megatron-core's count, printed
+#: at start-up)
+STAGE_LAYERS = {"pp2-1f1b": "2, 2", "pp2-vpp2": "2, 2", "pp2-uneven": "1, 3"}
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_dense_layout_matches_single_process(layout_run, dense_reference, layout):
-    got = losses(layout_run(layout))
+    run = layout_run(layout)
+    if layout in STAGE_LAYERS:
+        stdout = (run / "stdout.log").read_text()
+        assert f"layers per pipeline stage: {STAGE_LAYERS[layout]}\n" in stdout
+    got = losses(run)
     assert len(got) == len(dense_reference) == 3
     assert got == pytest.approx(dense_reference, rel=1e-4)
     assert got[-1] < got[0], "the loss should fall over three steps"

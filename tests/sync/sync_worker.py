@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--first-stage-layers", type=int, default=None)
     ap.add_argument("--bucket-bytes", type=int, default=64_000)
     ap.add_argument("--disk-dir", default=None)
     ap.add_argument("--agents", nargs="*", default=[])
@@ -47,7 +48,9 @@ def main() -> None:
     from titan_core.parallel.initialize import shutdown
     from titan_rl.sync import SyncConfig, WeightSync, WeightSyncError
 
-    chunks = hf_trainer_chunks(a.model_dir, tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp)
+    chunks = hf_trainer_chunks(
+        a.model_dir, tp=a.tp, pp=a.pp, ep=a.ep, vpp=a.vpp, first_stage_layers=a.first_stage_layers
+    )
     results = []
     for i, given in enumerate(a.transports):
         transport = given.removesuffix("+supervised")

@@ -45,17 +45,32 @@ def hf_bytes(model_dir: Path) -> dict[str, int]:
 
 
 def expected_rank_bytes(
-    model_dir: Path, pp: int, ep: int, layers: int, vpp: int = 1, experts: int = 0
+    model_dir: Path,
+    pp: int,
+    ep: int,
+    layers: int,
+    vpp: int = 1,
+    experts: int = 0,
+    first_stage_layers: int | None = None,
 ) -> list[int]:
     """What each rank (megatron's default order: EP within a stage, stages outermost) must
-    send: its stage's dense tensors on EP rank 0, its own experts on every EP rank."""
+    send: its stage's dense tensors on EP rank 0, its own experts on every EP rank.
+    ``first_stage_layers`` (without VPP): the first stage's layers, the rest evenly after."""
     per_chunk = layers // (pp * vpp)
     out = [0] * (pp * ep)
     for name, n in hf_bytes(model_dir).items():
         # embedding: first stage; final norm and output layer: last; a layer: its chunk's
         stage = 0 if "embed_tokens" in name else pp - 1
         if m := LAYER.match(name):
-            stage = (int(m.group(1)) // per_chunk) % pp
+            layer = int(m.group(1))
+            if first_stage_layers is None:
+                stage = (layer // per_chunk) % pp
+            elif layer < first_stage_layers:
+                stage = 0
+            else:
+                stage = 1 + (layer - first_stage_layers) // (
+                    (layers - first_stage_layers) // (pp - 1)
+                )
         e = EXPERT.search(name)
         ep_rank = int(e.group(1)) // (experts // ep) if e else 0
         out[stage * ep + ep_rank] += n
@@ -140,6 +155,25 @@ def test_pp2_vpp2_each_stage_sends_its_own_layers(
         m = r["metrics"]
         assert m["sync/senders"] == 2 and m["sync/bytes"] == model
         assert m["sync/bytes_max_rank"] == max(want) < model
+    if not HAVE_MOONCAKE:
+        pytest.skip("mooncake-transfer-engine-non-cuda is not installed: mooncake not checked")
+
+
+@pytest.mark.slow
+def test_uneven_pp2_each_stage_sends_its_own_layers(
+    deep_engines: list[ServerProcess], deep_dir: Path, tmp_path: Path
+) -> None:
+    """megatron-core's uneven split (parallel.num_layers_in_first_pipeline_stage=1): the
+    first stage sends the embedding and layer 0, the last layers 1-3, the norm and the head."""
+    results = _sync_every_transport(
+        deep_engines, deep_dir, tmp_path, "--pp", "2", "--first-stage-layers", "1", nproc=2
+    )
+    want = expected_rank_bytes(deep_dir, pp=2, ep=1, layers=4, first_stage_layers=1)
+    even = expected_rank_bytes(deep_dir, pp=2, ep=1, layers=4)
+    assert want != even
+    for r in results:
+        assert r["rank_bytes"] == want, (r["transport"], r["rank_bytes"], want)
+        assert r["metrics"]["sync/bytes"] == sum(hf_bytes(deep_dir).values())
     if not HAVE_MOONCAKE:
         pytest.skip("mooncake-transfer-engine-non-cuda is not installed: mooncake not checked")
 

@@ -9,10 +9,16 @@ import torch
 
 
 def hf_trainer_chunks(
-    model_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, vpp: int | None = None
+    model_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
 ) -> list[Any]:
     """Start this rank (process groups, seeds) and build the model chunks of the HF model
-    at ``model_dir`` with its weights (local spec, 32-token sequences)."""
+    at ``model_dir`` with its weights (local spec, 32-token sequences); ``first_stage_layers``:
+    megatron-core's uneven pipeline split."""
     from titan_core.config.pretrain import PretrainConfig
     from titan_core.models.gpt import (
         build_model_chunks,
@@ -31,6 +37,7 @@ def hf_trainer_chunks(
                 "pipeline_model_parallel_size": pp,
                 "expert_model_parallel_size": ep,
                 "virtual_pipeline_model_parallel_size": vpp,
+                "num_layers_in_first_pipeline_stage": first_stage_layers,
             },
             "train": {"micro_batch_size": 1, "global_batch_size": 8, "lr_warmup_iters": 0},
         }

@@ -147,6 +147,11 @@ class ParallelConfig(Section):
     tensor_model_parallel_size: PositiveInt = 1
     pipeline_model_parallel_size: PositiveInt = 1
     virtual_pipeline_model_parallel_size: PositiveInt | None = None
+    #: layers on the first / the last pipeline stage (megatron-core's uneven split, Megatron-LM's
+    #: --decoder-first/last-pipeline-num-layers: e.g. fewer where the embedding or the output
+    #: layer and loss sit); the other stages share the rest evenly. None: an even split.
+    num_layers_in_first_pipeline_stage: PositiveInt | None = None
+    num_layers_in_last_pipeline_stage: PositiveInt | None = None
     context_parallel_size: PositiveInt = 1
     expert_model_parallel_size: PositiveInt = 1
     expert_tensor_parallel_size: PositiveInt | None = None
@@ -455,6 +460,50 @@ class RunConfig(Section):
     name: str | None = None
 
 
+def _check_layer_split(p: ParallelConfig, num_layers: int) -> None:
+    """The layers split over the pipeline stages (and each stage's virtual chunks) as
+    megatron-core splits them: evenly, or with ``num_layers_in_first/last_pipeline_stage``
+    first and the rest evenly over the other stages."""
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size or 1
+    ends = {"first": p.num_layers_in_first_pipeline_stage,
+            "last": p.num_layers_in_last_pipeline_stage}  # fmt: skip
+    given = {k: v for k, v in ends.items() if v is not None}
+    if not given:
+        if num_layers % (pp * vpp):
+            raise ValueError(
+                f"model.num_layers ({num_layers}) must be divisible by "
+                f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
+                f"({pp * vpp}), or set parallel.num_layers_in_first_pipeline_stage / "
+                "num_layers_in_last_pipeline_stage for an uneven split"
+            )
+        return
+    keys = " and ".join(f"parallel.num_layers_in_{k}_pipeline_stage" for k in given)
+    if pp < 2:
+        raise ValueError(f"{keys} need parallel.pipeline_model_parallel_size >= 2")
+    for k, n in given.items():
+        if n % vpp:
+            raise ValueError(
+                f"parallel.num_layers_in_{k}_pipeline_stage ({n}) must be divisible by "
+                f"parallel.virtual_pipeline_model_parallel_size ({vpp}): each stage's layers "
+                "are split over its virtual chunks"
+            )
+    rest_stages = pp - len(given)
+    rest = num_layers - sum(given.values())
+    if rest_stages == 0:
+        if rest:
+            raise ValueError(
+                f"{keys} ({' + '.join(str(v) for v in given.values())}) must add up to "
+                f"model.num_layers ({num_layers}) with parallel.pipeline_model_parallel_size=2"
+            )
+        return
+    if rest < rest_stages * vpp or rest % (rest_stages * vpp):
+        raise ValueError(
+            f"the {rest} layers {keys} leave (model.num_layers={num_layers}) must split "
+            f"evenly, at least one each, over the other {rest_stages} pipeline stage(s) x "
+            f"{vpp} virtual chunk(s)"
+        )
+
+
 class PretrainConfig(Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
@@ -467,13 +516,7 @@ class PretrainConfig(Section):
     @model_validator(mode="after")
     def _check_static_layout(self) -> PretrainConfig:
         p, m = self.parallel, self.model
-        stages = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-        if m.num_layers % stages:
-            raise ValueError(
-                f"model.num_layers ({m.num_layers}) must be divisible by "
-                f"parallel.pipeline_model_parallel_size x virtual_pipeline_model_parallel_size "
-                f"({stages})"
-            )
+        _check_layer_split(p, m.num_layers)
         if p.virtual_pipeline_model_parallel_size and p.pipeline_model_parallel_size < 2:
             raise ValueError(
                 "parallel.virtual_pipeline_model_parallel_size needs "

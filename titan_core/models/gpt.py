@@ -19,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 
 from titan_core.accelerator import Accelerator, megatron_scope
 from titan_core.config.loader import ConfigError
@@ -118,6 +119,8 @@ def build_transformer_config(
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=p.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=p.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=p.num_layers_in_last_pipeline_stage,
         context_parallel_size=p.context_parallel_size,
         expert_model_parallel_size=p.expert_model_parallel_size,
         expert_tensor_parallel_size=p.expert_tensor_parallel_size,
@@ -215,6 +218,17 @@ def _layer_spec(cfg: PretrainConfig, tf: TransformerConfig, te: bool, vp_stage: 
 
 
 @megatron_scope()
+def layers_per_stage(tf: TransformerConfig) -> list[int]:
+    """The decoder layers megatron-core builds on each pipeline stage (its virtual chunks
+    together), by the function its decoder block builds them with."""
+    vpp = tf.virtual_pipeline_model_parallel_size
+    chunks = list(range(vpp)) if vpp else [None]
+    return [
+        sum(get_num_layers_to_build(tf, vp_stage=v, pp_rank=rank) for v in chunks)
+        for rank in range(tf.pipeline_model_parallel_size)
+    ]
+
+
 def build_model_chunks(
     cfg: PretrainConfig, tf: TransformerConfig, vocab_size: int, accel: Accelerator
 ) -> list[GPTModel]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -24,7 +25,12 @@ from megatron.core.transformer.module import Float16Module
 from titan_core.accelerator import Accelerator, megatron_scope
 from titan_core.checkpoint import load_checkpoint, save_checkpoint, saved_vocab_rows
 from titan_core.config.pretrain import PretrainConfig
-from titan_core.models.gpt import build_model_chunks, build_transformer_config, padded_vocab_size
+from titan_core.models.gpt import (
+    build_model_chunks,
+    build_transformer_config,
+    layers_per_stage,
+    padded_vocab_size,
+)
 from titan_core.training.optim import build_optimizer, build_scheduler
 
 
@@ -125,6 +131,9 @@ def build_training(
     rows = saved_vocab_rows(source.root, source.iteration) if source else None
     vocab = padded_vocab_size(vocab_size, cfg, rows)
     tf = build_transformer_config(cfg, accel, routing_replay)
+    if tf.pipeline_model_parallel_size > 1 and torch.distributed.get_rank() == 0:
+        split = ", ".join(map(str, layers_per_stage(tf)))
+        print(f"layers per pipeline stage: {split}", flush=True)
     chunks = build_model_chunks(cfg, tf, vocab, accel)
     model = wrap_model(cfg, tf, chunks)
     optimizer = build_optimizer(cfg, model)
