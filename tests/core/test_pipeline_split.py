@@ -65,7 +65,7 @@ def test_the_accepted_splits_are_megatrons() -> None:
     "overrides, needle",
     [
         (["parallel.num_layers_in_first_pipeline_stage=1"],
-         "parallel.num_layers_in_first_pipeline_stage need parallel.pipeline_model_parallel_size >= 2"),
+         "parallel.num_layers_in_first_pipeline_stage needs parallel.pipeline_model_parallel_size >= 2"),
         (["parallel.pipeline_model_parallel_size=2", "parallel.num_layers_in_first_pipeline_stage=1",
           "parallel.num_layers_in_last_pipeline_stage=2"],
          "(1 + 2) must add up to model.num_layers (4)"),

@@ -479,7 +479,8 @@ def _check_layer_split(p: ParallelConfig, num_layers: int) -> None:
         return
     keys = " and ".join(f"parallel.num_layers_in_{k}_pipeline_stage" for k in given)
     if pp < 2:
-        raise ValueError(f"{keys} need parallel.pipeline_model_parallel_size >= 2")
+        verb = "need" if len(given) > 1 else "needs"
+        raise ValueError(f"{keys} {verb} parallel.pipeline_model_parallel_size >= 2")
     for k, n in given.items():
         if n % vpp:
             raise ValueError(

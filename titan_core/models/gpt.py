@@ -217,7 +217,6 @@ def _layer_spec(cfg: PretrainConfig, tf: TransformerConfig, te: bool, vp_stage: 
     )
 
 
-@megatron_scope()
 def layers_per_stage(tf: TransformerConfig) -> list[int]:
     """The decoder layers megatron-core builds on each pipeline stage (its virtual chunks
     together), by the function its decoder block builds them with."""
@@ -229,6 +228,7 @@ def layers_per_stage(tf: TransformerConfig) -> list[int]:
     ]
 
 
+@megatron_scope()
 def build_model_chunks(
     cfg: PretrainConfig, tf: TransformerConfig, vocab_size: int, accel: Accelerator
 ) -> list[GPTModel]:
