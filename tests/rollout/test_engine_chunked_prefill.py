@@ -355,3 +355,85 @@ def test_config_key_reaches_the_engine_command(tmp_path: Path) -> None:
     assert "--chunked-prefill-size" not in argv()
     with pytest.raises(ConfigError, match="engines.chunked_prefill_size"):
         argv("engines.chunked_prefill_size=0")
+
+
+def _sampled_seq(eng: Engine, prompt: list[int], rid: str, copy: int, **kw: Any) -> Sequence:
+    """Copy ``copy`` of a seeded, sampled request (as an ``n`` > 1 request makes them)."""
+    params = parse_sampling_params(
+        {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}, VOCAB
+    )
+    return eng.make_sequence(
+        prompt, params, rid=rid, seed_offset=copy, return_logprob=True, logprob_start_len=60, **kw
+    )
+
+
+def test_copies_of_a_prompt_are_prefilled_once_and_each_finishes_as_alone(llama: Path) -> None:
+    """A group's samples share their prompt: it is forwarded once (one cache row per distinct
+    prompt), each copy joins the running batch with its own row, copies aborted while
+    decoding drop out, and every copy left gives what it gives alone (tokens, input and
+    output logprobs)."""
+    a, b = _prompt(60, 50), _prompt(60, 51)
+    eng = Engine(str(llama), num_threads=1, chunked_prefill_size=CHUNK * 8)
+    forwarded: list[int] = []  # rows of each prefill forward
+    prefill = eng.runner.prefill
+
+    def counting(key: int, ids: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        forwarded.append(ids.shape[0])
+        return prefill(key, ids, *args, **kw)
+
+    eng.runner.prefill = counting  # type: ignore[method-assign]
+    results: dict[str, dict[str, Any]] = {}
+
+    def on_done(s: Sequence) -> None:
+        results[s.rid] = sequence_result(s)
+
+    seqs = [_sampled_seq(eng, a, f"a{i}", i, on_done=on_done) for i in range(3)]
+    seqs += [_sampled_seq(eng, b, f"b{i}", i, on_done=on_done) for i in range(2)]
+    try:
+        _set_paused(eng, True)
+        eng.submit(seqs)
+        _step(eng)  # all five prompts, two distinct: two rows forwarded; one decode step
+        assert forwarded == [2] and eng.active == seqs
+        assert eng.runner.cache.layers[0].keys.shape[0] == 5
+        for rid in ("b0", "b1", "a1"):  # all of b's copies and one of a's
+            eng.call(lambda r=rid: eng.abort(r)).result(timeout=30)
+        while len(results) < 5:
+            _step(eng)
+        assert forwarded == [2] and eng.runner.partial == {} and eng.num_in_flight() == 0
+    finally:
+        eng.shutdown()
+    assert [results[r]["meta_info"]["finish_reason"]["type"] for r in ("a1", "b0", "b1")] == [
+        "abort"
+    ] * 3
+    alone = Engine(str(llama), num_threads=1, chunked_prefill_size=-1)
+    try:
+        for copy in (0, 2):
+            done = threading.Event()
+            ref: dict[str, Any] = {}
+
+            def finished(s: Sequence, box: dict[str, Any] = ref, ev: threading.Event = done) -> None:
+                box.update(sequence_result(s))
+                ev.set()
+
+            alone.submit([_sampled_seq(alone, a, f"ref{copy}", copy, on_done=finished)])
+            assert done.wait(60)
+            got = results[f"a{copy}"]
+            assert got["output_ids"] == ref["output_ids"]
+            assert _close(_logprobs(got), _logprobs(ref))
+    finally:
+        alone.shutdown()
+    assert results["a0"]["output_ids"] != results["a2"]["output_ids"]  # seeds of their own
+
+
+def test_copies_of_a_moe_prompt_each_get_the_routed_experts_it_gets_alone(moe: Path) -> None:
+    prompt = _prompt(90, 60)
+    eng = Engine(str(moe), num_threads=1)
+    try:
+        copies = _generate(eng, [{"prompt": prompt, "routed": True, "logprob_start_len": 30}] * 3)
+        alone = _generate(eng, [{"prompt": prompt, "routed": True, "logprob_start_len": 30}])[0]
+    finally:
+        eng.shutdown()
+    for got in copies:
+        assert got["output_ids"] == alone["output_ids"]
+        assert _close(_logprobs(got), _logprobs(alone))
+        assert got["meta_info"]["routed_experts"] == alone["meta_info"]["routed_experts"]

@@ -554,11 +554,27 @@ class Engine:
 
     def _prefill_chunk(self, unit: _Prefill, n: int) -> torch.Tensor | None:
         """Forward the next ``n`` prompt tokens of ``unit``'s rows; the last position's logits
-        once the prompts are whole (None before)."""
+        once the prompts are whole (None before).
+
+        Equal prompts (the ``n`` copies of a request, a group's samples) are forwarded once:
+        the partial cache holds one row per distinct prompt, ``unit.rows`` says each
+        sequence's, and the copies share its logits (SGLang shares such a prefix through its
+        radix cache). A GRPO group of 8 samples prefills its prompt once, not 8 times."""
         seqs, length = unit.seqs, unit.length
         start, end = unit.done, unit.done + n
-        ids = torch.tensor([s.prompt[start:end] for s in seqs], dtype=torch.long)
-        rows = unit.rows if unit.cached and unit.rows != list(range(unit.cached)) else None
+        distinct: dict[tuple[int, ...], int] = {}  # prompt -> its row in the partial cache
+        firsts: list[int] = []  # each distinct prompt's first sequence
+        row_of: list[int] = []  # each sequence's row
+        for j, s in enumerate(seqs):
+            row = distinct.setdefault(tuple(s.prompt), len(firsts))
+            if row == len(firsts):
+                firsts.append(j)
+            row_of.append(row)
+        ids = torch.tensor([seqs[j].prompt[start:end] for j in firsts], dtype=torch.long)
+        rows = None
+        if unit.cached:
+            kept = [unit.rows[j] for j in firsts]  # the cache rows the distinct prompts are
+            rows = kept if kept != list(range(unit.cached)) else None
         want_input = [s.return_logprob and s.logprob_start_len >= 0 for s in seqs]
         # logits of the positions whose next token's logprob is asked for (input logprobs
         # from logprob_start_len on), and of the prompt's last one (the first output token)
@@ -570,12 +586,17 @@ class Engine:
         record = any(s.return_routed_experts for s in seqs)
         logits, routed = self.runner.prefill(unit.key, ids, length, keep, record, rows)
         self.prefill_chunks += 1
-        unit.done, unit.cached, unit.rows = end, len(seqs), list(range(len(seqs)))
+        unit.done, unit.cached, unit.rows = end, len(firsts), row_of
+        if routed is not None:
+            routed = routed[row_of]
         self._take_routed(seqs, routed)
         for j, s in enumerate(seqs):
             if want_input[j]:
-                self._input_logprobs(s, logits[j], end - logits.shape[1], end)
-        return logits[:, -1, :] if end == length else None
+                self._input_logprobs(s, logits[row_of[j]], end - logits.shape[1], end)
+        if end != length:
+            return None
+        last = logits[:, -1, :]
+        return last if len(firsts) == len(seqs) else last[row_of]
 
     def _complete(self, unit: _Prefill, last: torch.Tensor) -> None:
         """The prompts are prefilled: sample their first tokens; those that go on join the
@@ -595,7 +616,7 @@ class Engine:
         keep = [j for j, s in enumerate(seqs) if not self._append(s, tokens[j])]
         # the kept rows of the prefill's cache join the running batch (left-padded)
         unit.cached = 0
-        self.runner.keep_prefill(unit.key, [live[j] for j in keep])
+        self.runner.keep_prefill(unit.key, [unit.rows[live[j]] for j in keep])
         self.active.extend(seqs[j] for j in keep)
 
     @staticmethod

@@ -11,8 +11,10 @@ With ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` in the environment SGLang reports the 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Self
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -176,44 +178,50 @@ def _filter_probs(
     return out
 
 
-_M32 = 0xFFFFFFFF
+#: the 32-bit mask; the hash runs on uint64 values below 2**32, so a product of two of them
+#: stays below 2**64 and ``& _M32`` is the product mod 2**32
+_M32 = np.uint64(0xFFFFFFFF)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for ``x`` in [0, 2**32) held in int64, without overflowing it."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _mix32(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer finalizer (xorshift-multiply, "lowbias32"), in place on ``x`` (uint64
+    values below 2**32): each output bit depends on every input bit."""
+    x ^= x >> np.uint64(16)
+    x *= np.uint64(0x7FEB352D)
+    x &= _M32
+    x ^= x >> np.uint64(15)
+    x *= np.uint64(0x846CA68B)
+    x &= _M32
+    x ^= x >> np.uint64(16)
+    return x
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer finalizer (xorshift-multiply, "lowbias32"): each output bit depends
-    on every input bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def seed_keys(seeds: Sequence[int]) -> np.ndarray:
+    """The per-row keys :func:`uniform_from_keys` draws from (seeds in [0, 2**63))."""
+    s = np.asarray(seeds, dtype=np.uint64).reshape(-1)
+    keys = _mix32((s & _M32) ^ np.uint64(0x9E3779B9))
+    keys ^= s >> np.uint64(32)
+    return _mix32(keys)
 
 
-def seed_keys(seeds: torch.Tensor) -> torch.Tensor:
-    """The per-row keys :func:`uniform_from_keys` draws from (int64 seeds in [0, 2**63))."""
-    return _mix32(_mix32((seeds & _M32) ^ 0x9E3779B9) ^ (seeds >> 32))
+def uniform_from_keys(keys: np.ndarray, steps: Sequence[int]) -> torch.Tensor:
+    """Draw ``steps[i]`` of the stream with key ``keys[i]`` (see :func:`seeded_uniform`):
+    float64 in [0, 1)."""
+    hi = _mix32(keys ^ (np.asarray(steps, dtype=np.uint64) & _M32))
+    lo = _mix32(hi ^ np.uint64(0x85EBCA6B))
+    bits = (hi << np.uint64(21)) + (lo >> np.uint64(11))  # 53 bits: exact in float64
+    return torch.from_numpy(bits.astype(np.float64) / 2.0**53)
 
 
-def uniform_from_keys(keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Draw ``steps[i]`` of the stream with key ``keys[i]`` (see :func:`seeded_uniform`)."""
-    hi = _mix32(keys ^ (steps & _M32))
-    lo = _mix32(hi ^ 0x85EBCA6B)
-    return ((hi << 21) + (lo >> 11)).double() / 2.0**53
-
-
-def seeded_uniform(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def seeded_uniform(seeds: Sequence[int], steps: Sequence[int]) -> torch.Tensor:
     """One uniform draw in [0, 1) per row, a function of (``seeds[i]``, ``steps[i]``) only
-    (int64 tensors; seeds in [0, 2**63), steps >= 0), with 53 random bits.
+    (seeds in [0, 2**63), steps >= 0), with 53 random bits.
 
     A counter-based generator, as GPU engines seed their sampling: the draw for token ``k``
     of a seeded request does not depend on what else shares the batch or on earlier steps,
     and a whole batch is drawn in a few vectorised integer ops (a ``torch.Generator`` per
-    row costs one multinomial call per row per step).
+    row costs one multinomial call per row per step). The ops run in numpy: on a batch's
+    few dozen rows each costs ~1 us there, ~5 us as a torch op.
     """
     return uniform_from_keys(seed_keys(seeds), steps)
 
@@ -266,9 +274,9 @@ class _RowSettings:
             self.filters = (top_k, top_p, min_p)
         #: positions (among the sampled rows) with a seed, and their keys
         self.seeded = [j for j, i in enumerate(sampled) if seeds[i] is not None]
-        self.keys = seed_keys(
-            torch.tensor([seeds[sampled[j]] for j in self.seeded], dtype=torch.long)
-        )
+        self.keys = seed_keys([seeds[sampled[j]] for j in self.seeded])
+        #: every sampled row is seeded: the default generator is not drawn from
+        self.all_seeded = len(self.seeded) == len(sampled)
 
     def fits(self, params: list[SamplingParams], seeds: list[int | None], vocab: int) -> bool:
         return (
@@ -324,10 +332,13 @@ class BatchSampler:
             probs = torch.softmax(scaled[rs.rows], dim=-1)
         if rs.filters is not None:
             probs = _filter_probs(probs, *rs.filters)
-        u = torch.rand(len(rs.sampled), dtype=torch.float64, generator=self.default_generator)
-        if rs.seeded:
-            row_steps = torch.tensor([steps[rs.sampled[j]] for j in rs.seeded], dtype=torch.long)
-            u[rs.seeded] = uniform_from_keys(rs.keys, row_steps)
+        seeded_u = uniform_from_keys(rs.keys, [steps[rs.sampled[j]] for j in rs.seeded])
+        if rs.all_seeded:
+            u = seeded_u
+        else:
+            u = torch.rand(len(rs.sampled), dtype=torch.float64, generator=self.default_generator)
+            if rs.seeded:
+                u[rs.seeded] = seeded_u
         drawn = _inverse_cdf(probs, u)
         if greedy is None:
             return drawn, logprobs
