@@ -411,7 +411,9 @@ def test_copies_of_a_prompt_are_prefilled_once_and_each_finishes_as_alone(llama:
             done = threading.Event()
             ref: dict[str, Any] = {}
 
-            def finished(s: Sequence, box: dict[str, Any] = ref, ev: threading.Event = done) -> None:
+            def finished(
+                s: Sequence, box: dict[str, Any] = ref, ev: threading.Event = done
+            ) -> None:
                 box.update(sequence_result(s))
                 ev.set()
 
