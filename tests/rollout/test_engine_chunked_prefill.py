@@ -369,10 +369,11 @@ def _sampled_seq(eng: Engine, prompt: list[int], rid: str, copy: int, **kw: Any)
 
 def test_copies_of_a_prompt_are_prefilled_once_and_each_finishes_as_alone(llama: Path) -> None:
     """A group's samples share their prompt: it is forwarded once (one cache row per distinct
-    prompt), each copy joins the running batch with its own row, copies aborted while
+    prompt; the step's token budget counts it once), each copy joins the running batch with its own row, copies aborted while
     decoding drop out, and every copy left gives what it gives alone (tokens, input and
     output logprobs)."""
-    a, b = _prompt(60, 50), _prompt(60, 51)
+    a, b = _prompt(200, 50), _prompt(200, 51)
+    # 5 x 200 tokens are more than a step's budget; the 2 x 200 forwarded are not
     eng = Engine(str(llama), num_threads=1, chunked_prefill_size=CHUNK * 8)
     forwarded: list[int] = []  # rows of each prefill forward
     prefill = eng.runner.prefill

@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,8 +96,8 @@ class _Prefill:
         return len(self.seqs[0].prompt)
 
     def left(self) -> int:
-        """Prompt tokens still to prefill, over all rows."""
-        return len(self.seqs) * (self.length - self.done)
+        """Prompt tokens still to prefill, over its distinct prompts (each is forwarded once)."""
+        return _distinct(self.seqs) * (self.length - self.done)
 
 
 @dataclass
@@ -133,6 +133,17 @@ class Sequence:
     text: str | None = None
     #: the token ids that end it (its stop_token_ids, and EOS unless ignore_eos), once known
     stop_ids: frozenset[int] | None = None
+    #: the prompt's hash: copies of one prompt are prefilled once (Engine._prefill_chunk), so
+    #: the scheduler budgets a prefill by its distinct prompts
+    prompt_key: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_key = hash(tuple(self.prompt))
+
+
+def _distinct(seqs: Iterable[Sequence]) -> int:
+    """Distinct prompts among ``seqs`` (by hash: for budgets; what is forwarded is exact)."""
+    return len({s.prompt_key for s in seqs})
 
 
 def _rid_matches(seq_rid: str, rid: str | None) -> bool:
@@ -494,11 +505,12 @@ class Engine:
             self._carry = None
         while self._prefilling and budget > 0:
             unit = self._prefilling[0]
-            n = min(unit.length - unit.done, budget // len(unit.seqs))
+            rows = _distinct(unit.seqs)  # forwarded rows: one per distinct prompt
+            n = min(unit.length - unit.done, budget // rows)
             if n <= 0:  # its rows do not fit what is left: first in the next iteration
                 break
             self._prefilling.popleft()
-            budget -= n * len(unit.seqs)
+            budget -= n * rows
             try:
                 last = self._prefill_chunk(unit, n)
                 if last is None:
@@ -516,28 +528,35 @@ class Engine:
 
     def _admit(self, budget: int) -> None:
         """Admit waiting sequences as prompt groups (equal lengths, at most
-        ``max_prefill_tokens`` a forward), only as many as this iteration's ``budget`` can
-        reach after the prompts already queued (always one where none is): the rest keep
-        their round-robin places among the waiting requests."""
+        ``max_prefill_tokens`` of distinct prompts a forward, a prompt's copies together),
+        only as many as this iteration's ``budget`` can reach after the prompts already
+        queued (always one where none is): the rest keep their round-robin places among the
+        waiting requests. A copy of a prompt admitted in the same round costs nothing more."""
         backlog = sum(unit.left() for unit in self._prefilling)
         room = self.max_running - len(self.active) - sum(len(u.seqs) for u in self._units())
         taken: list[Sequence] = []
+        seen: set[int] = set()
         with self._lock:
             while room > 0 and self._pending:
-                nxt = len(self._pending[0].seqs[0].prompt)  # what _take(1) returns
+                head = self._pending[0].seqs[0]  # what _take(1) returns
+                nxt = 0 if head.prompt_key in seen else len(head.prompt)
                 if backlog > 0 and backlog + nxt > budget:
                     break
-                taken.extend(self._take(1))
+                got = self._take(1)
+                taken.extend(got)
+                seen.update(s.prompt_key for s in got)
                 backlog += nxt
                 room -= 1
-        groups: dict[int, list[Sequence]] = {}
+        groups: dict[int, dict[int, list[Sequence]]] = {}  # length -> prompt -> its copies
         for s in taken:
-            groups.setdefault(len(s.prompt), []).append(s)
+            groups.setdefault(len(s.prompt), {}).setdefault(s.prompt_key, []).append(s)
         cap = min(self.max_prefill_tokens, budget)
-        for length, seqs in groups.items():
-            per = max(1, cap // length)
-            for i in range(0, len(seqs), per):
-                self._prefilling.append(_Prefill(next(self._unit_keys), seqs[i : i + per]))
+        for length, by_prompt in groups.items():
+            per = max(1, cap // length)  # distinct prompts a forward
+            prompts = list(by_prompt.values())
+            for i in range(0, len(prompts), per):
+                seqs = [s for copies in prompts[i : i + per] for s in copies]
+                self._prefilling.append(_Prefill(next(self._unit_keys), seqs))
 
     def _drop_unit(self, unit: _Prefill) -> None:
         """Forget a prompt group (its sequences are finished) and its partial cache."""
