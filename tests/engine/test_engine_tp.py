@@ -164,6 +164,26 @@ def test_tp2_chunked_prefill_equals_tp1_whole(clients: dict, kind: str, seed: in
             np.testing.assert_array_equal(routed(a), routed(b))
 
 
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tp2_copies_of_a_prompt_each_equal_it_alone_at_tp1(
+    clients: dict, kind: str, seed: int = 6
+) -> None:
+    """Equal prompts in one batch are prefilled once on every TP rank (one cache row each):
+    every copy gives what its prompt gives alone at TP=1, experts too."""
+    moe = kind == "moe"
+    p, q = _prompts(seed)[1:3]
+    engine = clients[kind, 2].app.state.server.engine
+    chunks = engine.prefill_chunks
+    two = generate(clients[kind, 2], [p, q, p, p, q], moe)
+    assert engine.prefill_chunks - chunks == 1  # one forward: 2 rows for 5 prompts
+    alone = {tuple(x): generate(clients[kind, 1], [x], moe)[0] for x in (p, q)}
+    want = [alone[tuple(x)] for x in (p, q, p, p, q)]
+    assert max_diff(want, two) < TOL
+    if moe:
+        for a, b in zip(want, two, strict=True):
+            np.testing.assert_array_equal(routed(a), routed(b))
+
+
 def test_server_info_reports_tp_size(clients: dict) -> None:
     for (_, tp), client in clients.items():
         assert client.get("/get_server_info").json()["tp_size"] == tp
