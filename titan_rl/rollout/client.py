@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
+import orjson
 
 from titan_core.net import client_tls
 from titan_rl.rollout.engine_api import (
@@ -255,7 +255,7 @@ class SGLangClient:
         """POST /generate with a raw GenerateReqInput; the parsed JSON answer."""
         async with self._sem:
             resp = await self.request("POST", "/generate", payload, timeout=self._gen_timeout)
-        return resp.json()
+        return orjson.loads(resp.content)  # a batch's logprobs: ~1/3 of json's time
 
     async def generate(
         self,
@@ -320,7 +320,7 @@ class SGLangClient:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                obj = json.loads(data)
+                obj = orjson.loads(data)
                 if "error" in obj:
                     raise SGLangError(f"/generate stream: {obj['error']}")
                 yield _output(obj, int(payload.get("routed_experts_start_len") or 0))
