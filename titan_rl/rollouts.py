@@ -121,14 +121,15 @@ class Rollouts:
 
     async def evaluate(self, client: EngineClient, recovery: EngineRecovery | None) -> float:
         """Greedy accuracy on the held-out prompts (through ``rollout.generate_fn`` when set);
-        their requests are coalesced as a rollout's are, where no more of them than
-        ``rollout.max_concurrency`` would then be in flight."""
+        their requests are coalesced as a rollout's are, in batches of at most
+        ``rollout.max_concurrency`` prompts (one request per prompt, 500 of them, took the
+        default example's evaluation 8 s, mostly in the HTTP client's connection pool)."""
         r = self.cfg.rollout
-        coalesce = len(self.eval_prompts) <= r.max_concurrency and await self.coalesce(client)
+        coalesce = await self.coalesce(client)
         acc = await self._watched(evaluate_prompts(
             client, self.eval_prompts, self.encode, self.decode,
             r.max_response_len, self.stop_ids, self.reward,
-            self.versions(recovery), cfg=r, coalesce=coalesce,
+            self.versions(recovery), cfg=r, coalesce=coalesce, wave=r.max_concurrency,
         ), recovery)  # fmt: skip
         self.reward.check_timeouts("evaluation")
         return acc

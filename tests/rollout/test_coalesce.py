@@ -93,18 +93,19 @@ def test_a_coalesced_evaluation_scores_what_one_request_per_prompt_scores(
     engine: ServerProcess,
 ) -> None:
     prompts = [Prompt(p, "x", {}) for p in ["1+2=", "7+8=", "a longer one, 40+2=", "3+3=", "x"]]
-    scored: dict[bool, list[list[int]]] = {}
+    scored: dict[bool | str, list[list[int]]] = {}  # by the run: coalesced or not, or waves
 
     async def reward(samples: list[Sample]) -> RewardCounts:
         scored[coalesce] = [s.response_tokens for s in samples]
         return await no_reward(samples)
 
-    async def main(coalesce: bool) -> tuple[float, int]:
+    async def main(coalesce: bool, wave: int | None = None) -> tuple[float, int]:
         transport = Counting()
         async with SGLangClient(engine.url, transport=transport) as client:
             acc = await evaluate(
-                client, prompts, encode, decode, 12, [EOS], reward, coalesce=coalesce
-            )
+                client, prompts, encode, decode, 12, [EOS], reward, coalesce=coalesce,
+                wave=wave,
+            )  # fmt: skip
         return acc, transport.generate
 
     results = {}
@@ -113,6 +114,10 @@ def test_a_coalesced_evaluation_scores_what_one_request_per_prompt_scores(
     assert results[False][1] == len(prompts) and results[True][1] == 1
     assert results[False][0] == results[True][0]
     assert scored[False] == scored[True]  # the same greedy answers, prompt by prompt
+    # in batches of at most 2 prompts (rollout.max_concurrency): 2, 2, 1
+    coalesce = "waves"
+    acc, sent = asyncio.run(main(True, wave=2))
+    assert sent == 3 and acc == results[False][0] and scored["waves"] == scored[False]
 
 
 def test_n_1_calls_get_one_output_each_and_abort_all_reaches_a_batch(

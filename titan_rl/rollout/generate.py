@@ -386,12 +386,14 @@ async def evaluate(
     versions: VersionCheck | None = None,
     cfg: RolloutConfig | None = None,
     coalesce: bool = False,
+    wave: int | None = None,
 ) -> float:
     """Greedy accuracy on held-out prompts: the share of answers the reward function marks
     ``correct`` (a sample it leaves unmarked counts as correct at a full score, >= 1); a
     dropped one (invalid reward) counts as wrong. With ``cfg.generate_fn`` set, each answer
     is that hook's (called with n = 1, e.g. a multi-turn rollout with tools). ``coalesce``:
-    the prompts' requests go out as one batched request, as :func:`generate_groups`'."""
+    the prompts' requests go out as batched requests, as :func:`generate_groups`', of at
+    most ``wave`` prompts each, one after another (None: one batch of all)."""
     client = coalescing(client, coalesce)
     params = {
         "max_new_tokens": max_new_tokens,
@@ -416,7 +418,11 @@ async def evaluate(
         s.response = decode(s.response_tokens)
         return s
 
-    samples = list(await asyncio.gather(*[one(g, p) for g, p in enumerate(prompts)]))
+    size = max(1, wave or len(prompts)) if coalesce else max(1, len(prompts))
+    samples: list[Sample] = []
+    for start in range(0, len(prompts), size):
+        part = enumerate(prompts[start : start + size], start)
+        samples += await asyncio.gather(*[one(g, p) for g, p in part])
     await reward_fn(samples)
     hits = [
         s.status != Status.FAILED and (s.reward >= 1.0 if s.correct is None else s.correct)
