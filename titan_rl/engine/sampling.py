@@ -332,12 +332,14 @@ class BatchSampler:
             probs = torch.softmax(scaled[rs.rows], dim=-1)
         if rs.filters is not None:
             probs = _filter_probs(probs, *rs.filters)
-        seeded_u = uniform_from_keys(rs.keys, [steps[rs.sampled[j]] for j in rs.seeded])
+        seeded_u = None
+        if rs.seeded:  # unseeded batches skip the hash
+            seeded_u = uniform_from_keys(rs.keys, [steps[rs.sampled[j]] for j in rs.seeded])
         if rs.all_seeded:
             u = seeded_u
         else:
             u = torch.rand(len(rs.sampled), dtype=torch.float64, generator=self.default_generator)
-            if rs.seeded:
+            if seeded_u is not None:
                 u[rs.seeded] = seeded_u
         drawn = _inverse_cdf(probs, u)
         if greedy is None:

@@ -418,7 +418,7 @@ async def evaluate(
         s.response = decode(s.response_tokens)
         return s
 
-    size = max(1, wave or len(prompts)) if coalesce else max(1, len(prompts))
+    size = (wave if coalesce and wave else len(prompts)) or 1  # prompts per batch
     samples: list[Sample] = []
     for start in range(0, len(prompts), size):
         part = enumerate(prompts[start : start + size], start)
