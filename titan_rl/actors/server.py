@@ -99,6 +99,9 @@ class ServerProcess:
         self.gave_up = False
         self._proc: subprocess.Popen | None = None
         self._stopping = False
+        #: held while a restart replaces the process: a caller that sees ``restarts`` grow, or
+        #: waits for health meanwhile, sees the new process, never the gap between the two
+        self._relaunch = threading.Lock()
         self._watch: threading.Thread | None = None
         log_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="titan-engine-"))
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -151,11 +154,17 @@ class ServerProcess:
         deadline = time.monotonic() + (timeout_s or self.cfg.startup_timeout_s)
         with httpx.Client(timeout=5.0, verify=client_tls()) as client:
             while True:
-                if self._proc is None or self._proc.poll() is not None:
-                    code = None if self._proc is None else self._proc.returncode
+                with self._relaunch:
+                    proc = self._proc
+                if proc is None:
                     raise RuntimeError(
-                        f"{self.name}: server exited with code {code} before becoming healthy; "
+                        f"{self.name}: server stopped before becoming healthy; "
                         f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"{self.name}: server exited with code {proc.returncode} before becoming "
+                        f"healthy; log {self.log_path}:\n{self.log_tail()}"
                     )
                 try:
                     if client.get(self.url + "/health").status_code == 200:
@@ -187,9 +196,15 @@ class ServerProcess:
                 continue
 
     def restart(self) -> str:
-        self.stop()
-        self.restarts += 1
-        return self.start()
+        """Replace the server (same port) and wait for it to answer. ``restarts`` counts it
+        once the new process exists."""
+        with self._relaunch:
+            self.stop()
+            self.start(wait=False)
+            self.restarts += 1
+        self.wait_healthy()
+        self.silence.answered(time.monotonic())
+        return self.url
 
     # ---- supervision ----------------------------------------------------------------------
     def watch(self, interval_s: float = 1.0) -> None:
