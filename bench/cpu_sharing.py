@@ -12,8 +12,10 @@ sharing the cores costs; a job that loses one of its cores to the other process 
 lose no more than that core's share of its work (2 cores: at most 2x). Configs:
 
 * ``auto``: the defaults (``trainer.num_threads`` and ``engines.num_threads`` unset: the
-  placement plan's split of the cores; idle OpenMP threads sleeping; Ray's workers at
-  niceness 0);
+  placement plan's split of the cores; idle OpenMP threads spinning ~0.4 ms, then sleeping,
+  ``GOMP_SPINCOUNT=30000``; Ray's workers at niceness 0);
+* ``passive``: the defaults, but idle threads sleeping at once (``OMP_WAIT_POLICY=PASSIVE``,
+  the default before the short spin);
 * ``cores``: how the trainer ran before those defaults: threads = the cores, libgomp's
   default wait (``GOMP_SPINCOUNT=300000``, its default spin) and Ray's default worker
   niceness (``RAY_worker_niceness=15``);
@@ -59,6 +61,7 @@ def configs(cores: int) -> dict[str, tuple[list[str], dict[str, str]]]:
         "auto": ([], {}),
         "cores": (every, {"GOMP_SPINCOUNT": "300000", "RAY_worker_niceness": "15"}),
         "cores_passive": (every, {}),
+        "passive": ([], {"OMP_WAIT_POLICY": "PASSIVE"}),
     }
 
 
@@ -98,7 +101,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--base", default=None, help="base checkpoint (default: the example's)")
-    ap.add_argument("--configs", default="auto,cores", help="of auto, cores, cores_passive")
+    ap.add_argument(
+        "--configs", default="auto,cores", help="of auto, passive, cores, cores_passive"
+    )
     ap.add_argument("--repeats", type=int, default=1, help="runs of each (config, load)")
     args = ap.parse_args()
     cores = available_cores()

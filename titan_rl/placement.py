@@ -68,12 +68,16 @@ def rank_coords(rank: int, world: int, tp: int, cp: int, pp: int, ep: int, etp: 
 
 
 # ---- threads ---------------------------------------------------------------------------------
-#: what an idle OpenMP thread of the trainer and engine processes does while it waits for the
-#: next parallel region (``OMP_WAIT_POLICY``, set where the user has set neither it nor
-#: ``GOMP_SPINCOUNT``): sleep. torch's OpenMP (GNU libgomp here) otherwise spins ~300,000
-#: iterations first, and on cores shared with another process a spinning thread takes the
-#: time slices its team's late thread needs (see :func:`resolve_threads`).
-WAIT_POLICY = "PASSIVE"
+#: how long an idle OpenMP thread of the trainer and engine processes spins for the next
+#: parallel region before it sleeps (``GOMP_SPINCOUNT``, set where the user has set neither it
+#: nor ``OMP_WAIT_POLICY``): 30,000 iterations of libgomp's wait, ~0.4 ms here. A step's ops
+#: follow each other within microseconds, so a team that sleeps at once (``PASSIVE``) pays a
+#: wake-up per op: bench/vs_trl.py's M=32 trainer 75 -> 65 ms a step at 2 threads. libgomp's
+#: own default (300,000, ~4 ms) holds a core that long after each phase, and on cores shared
+#: with another process a spinning thread takes the time slices its team's late thread needs;
+#: bench/cpu_sharing.py beside a busy process: 1.60x the quiet step (PASSIVE 1.42x, both under
+#: the 2x of the lost core), quiet 0.678 s against PASSIVE's 0.733 s.
+SPIN_COUNT = 30_000
 #: the user's settings of the OpenMP wait, left as they are
 WAIT_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
@@ -116,8 +120,8 @@ class Threads:
     #: auto: the cores counted, and whether trainer and engines compute at the same time
     cores: int
     at_once: bool
-    #: ``OMP_WAIT_POLICY`` given to the processes (None: the user's own settings stand)
-    wait_policy: str | None
+    #: ``GOMP_SPINCOUNT`` given to the processes (None: the user's own settings stand)
+    spin_count: int | None
     #: auto: the trainer trains while the engines (beside it) wait, as in a sync rollout
     trainer_alone: bool = False
 
@@ -125,8 +129,8 @@ class Threads:
         """The environment of a process running ``threads`` threads (set before torch
         loads: OpenMP reads it once, when its library loads)."""
         env = {"OMP_NUM_THREADS": str(threads)}
-        if self.wait_policy is not None:
-            env["OMP_WAIT_POLICY"] = self.wait_policy
+        if self.spin_count is not None:
+            env["GOMP_SPINCOUNT"] = str(self.spin_count)
         return env
 
     def describe(self) -> str:
@@ -142,8 +146,10 @@ class Threads:
             )
             if self.trainer_alone:  # only ever set with at_once
                 line += ", the trainer's all of them (it trains while the engines wait)"
-        if self.wait_policy is not None:
-            return line + f"; OMP_WAIT_POLICY={self.wait_policy} (idle threads sleep)"
+        if self.spin_count is not None:
+            return (
+                line + f"; GOMP_SPINCOUNT={self.spin_count} (idle threads spin ~0.4 ms, then sleep)"
+            )
         return line + "; OpenMP wait: the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT"
 
 
@@ -200,7 +206,7 @@ def resolve_threads(
     user_wait = any(environ.get(k) for k in WAIT_SETTINGS)
     return Threads(
         trainer, engine, trainer_from, engine_from, cores, at_once,
-        None if user_wait else WAIT_POLICY, trainer_alone and at_once,
+        None if user_wait else SPIN_COUNT, trainer_alone and at_once,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from titan_core.training.metrics import read_metrics
 from titan_rl.actors.server import build_command
 from titan_rl.config import GRPOConfig
 from titan_rl.grpo import main, resolve_config
-from titan_rl.placement import WAIT_POLICY, plan_placement, resolve_threads
+from titan_rl.placement import SPIN_COUNT, plan_placement, resolve_threads
 
 REPO = Path(__file__).resolve().parents[2]
 MATH = REPO / "examples/math.yaml"
@@ -56,7 +56,7 @@ def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cor
     cores(8)
     t = _plan("rollout.async=true").threads  # disaggregated: 1 trainer process and 1 engine
     assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (4, 4, "auto", "auto")
-    assert t.at_once and not t.trainer_alone and t.wait_policy == WAIT_POLICY == "PASSIVE"
+    assert t.at_once and not t.trainer_alone and t.spin_count == SPIN_COUNT == 30_000
     # a sync rollout (the default): the trainer trains while the engines wait, on every core
     t = _plan().threads
     assert (t.trainer, t.engine, t.at_once, t.trainer_alone) == (8, 4, True, True)
@@ -99,10 +99,10 @@ def test_omp_num_threads_is_the_default_of_both_and_the_keys_win(cores, monkeypa
 @pytest.mark.parametrize("name, value", [("OMP_WAIT_POLICY", "ACTIVE"), ("GOMP_SPINCOUNT", "1000")])
 def test_the_users_openmp_wait_is_left_alone(cores, monkeypatch, name, value):
     cores(2)
-    assert _plan().threads.env(1) == {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert _plan().threads.env(1) == {"OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "30000"}
     monkeypatch.setenv(name, value)
     t = _plan().threads
-    assert t.wait_policy is None and t.env(1) == {"OMP_NUM_THREADS": "1"}
+    assert t.spin_count is None and t.env(1) == {"OMP_NUM_THREADS": "1"}
     assert "the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT" in t.describe()
 
 
@@ -110,7 +110,7 @@ def test_the_engine_launch_carries_the_resolved_threads(cores):
     cores(8)
     launch = _plan("engines.colocate=true").engine
     assert launch.num_threads == 8
-    assert launch.env == {"OMP_NUM_THREADS": "8", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert launch.env == {"OMP_NUM_THREADS": "8", "GOMP_SPINCOUNT": "30000"}
     cmd = build_command(launch, 30000)
     assert cmd[cmd.index("--num-threads") + 1] == "8"
     # SGLang's processes keep their own environment (the key is the built-in engine's)
@@ -134,7 +134,7 @@ def test_dry_run_prints_the_threads(cores, capsys):
         "threads: 2 per trainer process (trainer.num_threads), 1 per engine (auto); auto: the 2 "
         "core(s) this job may use, split between the trainer processes and the engines (side "
         "by side), the trainer's all of them (it trains while the engines wait); "
-        "OMP_WAIT_POLICY=PASSIVE (idle threads sleep)"
+        "GOMP_SPINCOUNT=30000 (idle threads spin ~0.4 ms, then sleep)"
     ) in out.splitlines()
     assert main(["--config", str(MATH), "--dry-run", "engines.colocate=true"]) == 0
     assert "2 per engine (auto); auto: the 2 core(s) this job may use, for each phase" in (
@@ -175,7 +175,7 @@ def test_a_bad_omp_num_threads_exits_2(cores, monkeypatch, capsys):
 def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, base):
     """The trainer actor and the engine process report the threads the plan resolved
     (``trainer.num_threads``, and ``OMP_NUM_THREADS`` as the engine's default), each with
-    idle threads sleeping, at niceness 0 (not Ray's 15); with ``run.eval_interval=null run.save_interval=null`` the run
+    the short OpenMP spin, at niceness 0 (not Ray's 15); with ``run.eval_interval=null run.save_interval=null`` the run
     writes no eval/accuracy and no checkpoint, not even at its last step."""
     run_dir = tmp_path / "run"
     dropped = ("TITAN_CONFIG", "RAY_worker_niceness", *OPENMP_ENV)
@@ -190,10 +190,15 @@ def test_a_run_without_eval_or_checkpoints_runs_the_resolved_threads(tmp_path, b
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     said = proc.stdout + proc.stderr
-    line = "trainer rank 0: 2 torch threads (OMP_WAIT_POLICY=PASSIVE, niceness 0)"
+    line = (
+        "trainer rank 0: 2 torch threads (GOMP_SPINCOUNT=30000, OMP_WAIT_POLICY=unset, niceness 0)"
+    )
     assert line in said, said[-3000:]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
-    line = "titan_rl.engine: 3 torch threads per TP rank (OMP_WAIT_POLICY=PASSIVE, niceness 0)"
+    line = (
+        "titan_rl.engine: 3 torch threads per TP rank (GOMP_SPINCOUNT=30000, "
+        "OMP_WAIT_POLICY=unset, niceness 0)"
+    )
     assert line in logs, logs[-3000:]
     recs = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in recs] == [1, 2]

@@ -173,7 +173,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     print(  # what a run's engine log says it runs with (tests/rl read it back)
         f"titan_rl.engine: {torch.get_num_threads()} torch threads per TP rank "
-        f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, niceness {os.nice(0)})",
+        f"(GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, niceness {os.nice(0)})",
         file=sys.stderr,
         flush=True,
     )

@@ -62,8 +62,8 @@ class TrainerWorker:
             torch.set_num_threads(int(threads))
         print(
             f"trainer rank {self.rank}: {torch.get_num_threads()} torch threads "
-            f"(OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, "
-            f"niceness {os.nice(0)})",
+            f"(GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, niceness {os.nice(0)})",
             flush=True,
         )
         # megatron, in the trainer's process only (the driver holds this module too)
