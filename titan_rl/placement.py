@@ -122,6 +122,8 @@ class Threads:
     at_once: bool
     #: ``GOMP_SPINCOUNT`` given to the processes (None: the user's own settings stand)
     spin_count: int | None
+    #: auto: the trainer trains while the engines (beside it) wait, as in a sync rollout
+    trainer_alone: bool = False
 
     def env(self, threads: int) -> dict[str, str]:
         """The environment of a process running ``threads`` threads (set before torch
@@ -142,6 +144,8 @@ class Threads:
                 if self.at_once
                 else "for each phase (generation and training alternate)"
             )
+            if self.trainer_alone:  # only ever set with at_once
+                line += ", the trainer's all of them (it trains while the engines wait)"
         if self.spin_count is not None:
             return (
                 line + f"; GOMP_SPINCOUNT={self.spin_count} (idle threads spin ~0.4 ms, then sleep)"
@@ -158,23 +162,29 @@ def resolve_threads(
     at_once: bool,
     cores: int | None = None,
     environ: Mapping[str, str] | None = None,
+    trainer_alone: bool = False,
 ) -> Threads:
     """The threads of each trainer process and engine: the keys where set, else
     ``OMP_NUM_THREADS``, else auto from ``cores`` (default: :func:`available_cores`).
 
-    Auto: where generation and training alternate (``at_once`` false: a sync rollout, the
-    engines colocated or beside the trainer) each phase has every core, shared by the
-    processes computing in it. Where they compute at the same time (an async rollout) each
-    trainer process and engine TP rank gets an equal share (at least one; the cores left over
-    go to the trainer processes): more threads than free cores stall, as every parallel region
-    waits for its slowest thread, and a thread whose core another process holds waits for its
-    time slice. The one place these defaults live.
+    Auto: where generation and training alternate (``at_once`` false: colocated engines)
+    each phase has every core, shared by the processes computing in it. Where they compute
+    at the same time each trainer process and engine TP rank gets an equal share (at least
+    one; the cores left over go to the trainer processes). More threads than free cores
+    stall: every parallel region waits for its slowest thread, and a thread whose core
+    another process holds waits for its time slice. The one place these defaults live (the
+    GRPO job's placement plan and the slime / miles adapters' engines call it).
 
-    A decode step's small products gain from a second thread once idle threads spin between
-    ops (:data:`SPIN_COUNT`): bench/vs_trl.py's model on 2 cores, a sync step 209 -> 185 ms
-    (M=32) and 518-551 -> 488-498 ms (M=128) with the engine at 2 threads against 1, and the
-    bench's model at hidden 256 and 4 layers 1.035 -> 0.900 s (M=32). Sleeping at once, as
-    before, the second thread made the rollout 2.5x slower."""
+    ``trainer_alone`` (engines beside the trainer, a sync rollout): the trainer trains while
+    the engines wait, so its processes share every core; the engines keep their side-by-side
+    share, as a decode step's small matmuls lose more to a second thread's synchronisation
+    than they gain on CPU (bench/vs_trl.py's model, M=128 on 2 cores: a step 0.84 -> 0.65-0.69
+    s with the trainer at 2 threads; the rollout 0.35-0.39 -> 0.88-1.08 s with the engine's).
+    With idle threads spinning (:data:`SPIN_COUNT`) the engine's second thread gains on a quiet
+    machine (a sync step 209 -> 185 ms at M=32), but a decode step's ~60 small ops each wait
+    for both threads: under its host's load, 2 of the bench's 4 sync runs with the engine at
+    2 threads collapsed (M=32 0.91 s a step against 0.38 s in the other run; M=128 7.8 s
+    against 1.8 s) while TRL's, alternating with them, did not."""
     environ = os.environ if environ is None else environ
     cores = cores or available_cores()
     omp = omp_num_threads(environ)
@@ -183,6 +193,8 @@ def resolve_threads(
         share = max(1, cores // slots)
         trainer_auto = share + max(0, cores - share * slots) // trainer_processes
         engine_auto = share * engine_tp
+        if trainer_alone:
+            trainer_auto = max(1, cores // trainer_processes)
     else:
         trainer_auto = max(1, cores // trainer_processes)
         engine_auto = max(1, cores // num_engines)
@@ -199,20 +211,22 @@ def resolve_threads(
     user_wait = any(environ.get(k) for k in WAIT_SETTINGS)
     return Threads(
         trainer, engine, trainer_from, engine_from, cores, at_once,
-        None if user_wait else SPIN_COUNT,
+        None if user_wait else SPIN_COUNT, trainer_alone and at_once,
     )  # fmt: skip
 
 
 def job_threads(cfg: GRPOConfig) -> Threads:
-    """The GRPO job's threads. With ``rollout.async`` the engines (beside the trainer, in
-    their own bundles) generate while it trains: the cores are split, so neither's threads
-    wait on the other's. With a sync rollout, colocated engines or not, generation and
-    training take turns: each phase gets every core."""
+    """The GRPO job's threads. Disaggregated engines sit beside the trainer (their own
+    bundles) and with ``rollout.async`` generate while it trains: the cores are split, so
+    neither's threads wait on the other's; without it (a sync rollout) the trainer trains
+    while they wait and takes every core, the engines keeping their share. Colocated engines
+    (never async) take turns with the trainer: each phase gets every core."""
     e = cfg.engines
     return resolve_threads(
         cfg.trainer.num_threads, e.num_threads, cfg.trainer.num_processes, e.num_engines,
         e.tp_size,
-        at_once=cfg.rollout.async_rollout,
+        at_once=not e.colocate or cfg.rollout.async_rollout,
+        trainer_alone=not e.colocate and not cfg.rollout.async_rollout,
     )  # fmt: skip
 
 

@@ -56,11 +56,11 @@ def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cor
     cores(8)
     t = _plan("rollout.async=true").threads  # disaggregated: 1 trainer process and 1 engine
     assert (t.trainer, t.engine, t.trainer_from, t.engine_from) == (4, 4, "auto", "auto")
-    assert t.at_once and t.spin_count == SPIN_COUNT == 30_000
-    # a sync rollout (the default): generation and training take turns, each on every core
+    assert t.at_once and not t.trainer_alone and t.spin_count == SPIN_COUNT == 30_000
+    # a sync rollout (the default): the trainer trains while the engines wait, on every core
     t = _plan().threads
-    assert (t.trainer, t.engine, t.at_once) == (8, 8, False)
-    # colocated, the same
+    assert (t.trainer, t.engine, t.at_once, t.trainer_alone) == (8, 4, True, True)
+    # colocated, each phase has every core
     t = _plan("engines.colocate=true").threads
     assert (t.trainer, t.engine, t.at_once) == (8, 8, False)
     # 2 trainer processes and an engine of 2 TP ranks: 4 slots of 2 cores each
@@ -73,12 +73,10 @@ def test_auto_splits_the_cores_between_trainer_and_engines_computing_at_once(cor
     t = _plan("trainer.num_processes=2", "train.micro_batch_size=64", "rollout.async=true").threads
     assert (t.trainer, t.engine) == (3, 2)
     t = _plan("trainer.num_processes=2", "train.micro_batch_size=64").threads  # sync
-    assert (t.trainer, t.engine) == (4, 8)
-    t = _plan("engines.num_engines=2", "engines.router=true").threads  # sync: 2 engines share
-    assert (t.trainer, t.engine) == (8, 4)
+    assert (t.trainer, t.engine) == (4, 2)
     cores(2)
     t = _plan("trainer.num_processes=4", "train.micro_batch_size=64").threads
-    assert (t.trainer, t.engine) == (1, 2)  # more processes than cores: one thread each
+    assert (t.trainer, t.engine) == (1, 1)  # more processes than cores: one thread each
     assert (_plan("engines.colocate=true").threads.trainer, _plan().threads.trainer) == (2, 2)
     assert _plan("rollout.async=true").threads.trainer == 1
 
@@ -133,8 +131,9 @@ def test_dry_run_prints_the_threads(cores, capsys):
     assert main(["--config", str(MATH), "--dry-run", "trainer.num_threads=2"]) == 0
     out = capsys.readouterr().out
     assert (
-        "threads: 2 per trainer process (trainer.num_threads), 2 per engine (auto); auto: the 2 "
-        "core(s) this job may use, for each phase (generation and training alternate); "
+        "threads: 2 per trainer process (trainer.num_threads), 1 per engine (auto); auto: the 2 "
+        "core(s) this job may use, split between the trainer processes and the engines (side "
+        "by side), the trainer's all of them (it trains while the engines wait); "
         "GOMP_SPINCOUNT=30000 (idle threads spin ~0.4 ms, then sleep)"
     ) in out.splitlines()
     assert main(["--config", str(MATH), "--dry-run", "engines.colocate=true"]) == 0
