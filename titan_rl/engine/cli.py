@@ -14,6 +14,7 @@ import resource
 import sys
 
 from titan_core import startup_gc
+from titan_core.openmp import wait_said
 from titan_rl.engine_settings import add_arguments, engine_problem, from_arguments
 
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -172,9 +173,7 @@ def _serve(args: argparse.Namespace) -> None:
     import torch
 
     print(  # what a run's engine log says it runs with (tests/rl read it back)
-        f"titan_rl.engine: {torch.get_num_threads()} torch threads per TP rank "
-        f"(GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
-        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, niceness {os.nice(0)})",
+        f"titan_rl.engine: {torch.get_num_threads()} torch threads per TP rank {wait_said()}",
         file=sys.stderr,
         flush=True,
     )

@@ -15,6 +15,7 @@ from titan_core.accelerator import get_accelerator
 from titan_core.accelerator.megatron_compat import import_megatron
 from titan_core.checkpoint.dist import unwrap
 from titan_core.net import free_port
+from titan_core.openmp import wait_said
 from titan_core.training.profiling import StepProfiler
 from titan_rl.config import GRPOConfig
 from titan_rl.nodes import enter_driver_dir
@@ -61,9 +62,7 @@ class TrainerWorker:
         if threads:
             torch.set_num_threads(int(threads))
         print(
-            f"trainer rank {self.rank}: {torch.get_num_threads()} torch threads "
-            f"(GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}, "
-            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}, niceness {os.nice(0)})",
+            f"trainer rank {self.rank}: {torch.get_num_threads()} torch threads {wait_said()}",
             flush=True,
         )
         # megatron, in the trainer's process only (the driver holds this module too)
