@@ -164,7 +164,7 @@ def _readme_keys() -> dict[str, str]:
     sections = {k.split(".")[0] for line in surface() for k in [line.split()[1]]}
     found: dict[str, str] = {}
     for doc in DOCS:
-        for key in re.findall(r"`([a-z_]+(?:\.[a-z_][a-z0-9_]*)+)", doc.read_text()):
+        for key in re.findall(r"`([a-z_]+(?:\.[a-z_][a-z0-9_]*)+)(?![\w(])", doc.read_text()):
             if key.split(".")[0] in sections and key.rsplit(".", 1)[-1] not in _FILE_SUFFIXES:
                 found.setdefault(key, str(doc.relative_to(REPO)))
     return found
