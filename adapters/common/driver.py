@@ -4,7 +4,10 @@ policy the run starts from, the status line and the reward plot."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +75,7 @@ def _without_local_only_kernels(args: Any, cfg: Any) -> Any:
 
     from adapters.common.config import titan_config_from_args
     from titan_core.accelerator import get_accelerator
-    from titan_core.models.gpt import use_transformer_engine
+    from titan_core.models.transformer_impl import use_transformer_engine
 
     if use_transformer_engine(cfg, get_accelerator()):
         return cfg
@@ -133,6 +136,19 @@ def _check_writable(path: str, flag: str) -> None:
                           "this user can write") from None  # fmt: skip
 
 
+def engines_start_beside_trainers(args: Any) -> bool:
+    """Whether the engines are launched while the trainer ranks start, so that the two
+    start-ups (seconds of imports and model loads each) overlap. Not where the engines serve
+    the policy that the first trainer rank exports at ``init`` (no ``--hf-checkpoint``), nor
+    where colocated engines share a device's memory with the trainers (``--colocate`` on a
+    GPU): those start after the trainers, as before."""
+    from titan_core.accelerator import get_accelerator
+
+    if getattr(args, "titan_export_hf_checkpoint", False):
+        return False
+    return not args.colocate or get_accelerator().device_type == "cpu"
+
+
 def colocated_offload(args: Any) -> bool:
     """Whether the trainer sleeps while the engines generate (``--offload-train``, which
     ``--colocate`` implies). slime's and miles' train groups start each rank under
@@ -159,7 +175,7 @@ def ray_init(args: Any) -> None:
     from adapters.common.config import CONFIG_ENV
     from adapters.slime.runtime_env import runtime_env, slime_installed
     from titan_core.accelerator import get_accelerator
-    from titan_rl.placement import init_ray
+    from titan_rl.placement import init_ray, local_ray_settings
 
     if ray.is_initialized():
         return
@@ -173,7 +189,27 @@ def ray_init(args: Any) -> None:
         kwargs["runtime_env"] = runtime_env()
     if get_accelerator().device_type == "cpu":
         kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
-    init_ray(**kwargs)  # tried again where a busy machine misses Ray's start-up window
+    # a Ray this driver starts gets the main job's settings (no workers prestarted, workers
+    # at the driver's niceness: titan_rl.placement.local_ray_settings), which Ray reads as
+    # RAY_<setting> where it starts a node; a running cluster keeps its own
+    settings = {f"RAY_{k}": json.dumps(v) for k, v in local_ray_settings().items()}
+    with _environment(settings):
+        init_ray(**kwargs)  # tried again where a busy machine misses Ray's start-up window
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment (what it starts inherits them), then gone."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def status_line(rec: dict[str, Any], total: int) -> str:

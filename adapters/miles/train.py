@@ -45,6 +45,7 @@ from typing import Any
 from adapters.common.driver import (
     EXIT_CONFIG_ERROR,
     EXIT_RUN_ERROR,
+    engines_start_beside_trainers,
     finish_run,
     prepare,
     ray_init,
@@ -270,9 +271,14 @@ async def _train(args: Any, cfg: Any, run_dir: Any, stop: StopSignals) -> int:
     writer = None
     actors: list[Any] = []
     try:
+        engines = None
+        if engines_start_beside_trainers(args):  # the manager answers the rest after it
+            engines = manager.start_engines.remote(args.hf_checkpoint)
         group, actors = await build_trainer_group(args, pgs, manager)
         await manager.set_trainers.remote(actors)
-        await manager.start_engines.remote(args.hf_checkpoint)
+        if engines is None:
+            engines = manager.start_engines.remote(args.hf_checkpoint)
+        await engines
         await group.update_weights()  # miles' first step: the engines serve the policy
         start, total = args.start_rollout_id, args.num_rollout
         progress = RolloutProgress(start)

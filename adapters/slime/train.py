@@ -30,6 +30,7 @@ from adapters.common.driver import (
     EXIT_CONFIG_ERROR,
     EXIT_RUN_ERROR,
     colocated_offload,
+    engines_start_beside_trainers,
     finish_run,
     prepare,
     ray_init,
@@ -85,6 +86,9 @@ def _train(args: Any, cfg: Any, run_dir: Any, offload_train: bool, stop: StopSig
         if args.num_rollout is None:
             per_epoch = ray.get(manager.get_num_rollout_per_epoch.remote())
             args.num_rollout = args.num_epoch * per_epoch
+        engines = None
+        if engines_start_beside_trainers(args):  # the manager answers the rest after it
+            engines = manager.start_engines.remote(args.hf_checkpoint)
         actor_model, _ = placement.create_training_models(
             args, pgs, manager, actor_cls=TitanTrainActor
         )
@@ -93,7 +97,9 @@ def _train(args: Any, cfg: Any, run_dir: Any, offload_train: bool, stop: StopSig
         progress = RolloutProgress(start)
         if args.rollout_global_dataset:  # the prompts' position after the resumed rollout
             ray.get(manager.load.remote(start - 1))
-        ray.get(manager.start_engines.remote(args.hf_checkpoint))
+        if engines is None:
+            engines = manager.start_engines.remote(args.hf_checkpoint)
+        ray.get(engines)
         actor_model.update_weights()  # slime's first step: the engines serve the policy
         if offload_train:
             actor_model.offload()

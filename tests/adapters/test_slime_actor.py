@@ -4,6 +4,7 @@ built-in engine at the new weight_version with logprob parity; DP=2 split as sli
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import httpx
@@ -66,6 +67,15 @@ def test_train_and_sync_under_slime_group(slime_job):
     from titan_core.data.tokenizer import build_tokenizer
 
     args, manager, group, urls = slime_job
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    # the driver's Ray runs its workers at the driver's niceness, as the main job's does
+    # (Ray's own default is 15), and the setting did not stay in the driver's environment
+    assert ray.get(niceness.remote()) == os.nice(0)
+    assert "RAY_worker_niceness" not in os.environ
     tok = build_tokenizer("byte")
     # four prompts, four responses each; the right answer rewarded, the others not
     problems = [("12+34=", "46"), ("50+25=", "75"), ("7+8=", "15"), ("100+1=", "101")]

@@ -27,17 +27,7 @@ from titan_core.config.pretrain import PretrainConfig
 from titan_core.fp8 import cpu_emulation
 from titan_core.fp8.install import install_blockwise_fp8
 from titan_core.models.sdpa_attention import with_sdpa_attention
-
-
-def use_transformer_engine(cfg: PretrainConfig, accel: Accelerator) -> bool:
-    impl = cfg.model.transformer_impl
-    te_present = accel.device_type != "cpu" and importlib.util.find_spec("transformer_engine")
-    if impl == "transformer_engine" and not te_present:
-        raise ConfigError(
-            "model.transformer_impl=transformer_engine but Transformer Engine is not usable "
-            f"here (accelerator {accel.name}); install titan[gpu] on a GPU machine or use local"
-        )
-    return bool(impl != "local" and te_present)
+from titan_core.models.transformer_impl import use_transformer_engine
 
 
 def padded_vocab_size(vocab_size: int, cfg: PretrainConfig, saved_rows: int | None = None) -> int:
