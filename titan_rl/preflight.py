@@ -14,6 +14,7 @@ from titan_core.checkpoint import CheckpointError, latest_iteration
 from titan_core.checkpoint.dist import iteration_dir
 from titan_core.checkpoint.megatron_lm import read_common
 from titan_core.config import ConfigError
+from titan_core.models.hf.readable import check_safetensors
 from titan_rl.algo.estimators import GROUP_ESTIMATORS
 from titan_rl.config import GRPOConfig
 from titan_rl.placement import machine_plan
@@ -110,10 +111,20 @@ def check_engine_client(cfg: GRPOConfig) -> None:
         raise ConfigError(str(e)) from None
 
 
+def check_policy_files(cfg: GRPOConfig) -> None:
+    """An HF policy's weight files can be read (``titan_core.models.hf.readable``): a
+    truncated one is named now, not by the trainer's or the engines' load after Ray
+    started."""
+    if cfg.policy.format == "hf":
+        check_safetensors(cfg.policy.load, "policy.load")
+
+
 def check_config(cfg: GRPOConfig) -> None:
-    """Everything of ``cfg`` beyond its own validation: the base checkpoint, the run folder,
-    the reward function, the engine client, the placement (what ``--dry-run`` prints)."""
+    """Everything of ``cfg`` beyond its own validation: the base checkpoint or HF policy's
+    files, the run folder, the reward function, the engine client, the placement (what
+    ``--dry-run`` prints)."""
     check_base_matches(cfg)
+    check_policy_files(cfg)
     check_base_dir(cfg)
     check_reward(cfg.reward)
     check_generate_fn(cfg)

@@ -21,6 +21,7 @@ def prepare(args: Any) -> Any:
     """The Titan config, with what the framework's args leave to it filled in on ``args``;
     the flags with no effect here named in one start-up line each."""
     from adapters.common.config import mirror_config, titan_config_from_args
+    from titan_core.models.hf.readable import check_safetensors
 
     if args.titan_config:  # absolute: Ray workers start elsewhere
         args.titan_config = str(Path(args.titan_config).resolve())
@@ -31,6 +32,8 @@ def prepare(args: Any) -> Any:
             setattr(args, flag, str(Path(getattr(args, flag)).resolve()))
     if args.save:
         _check_writable(args.save, "--save")
+    if args.hf_checkpoint:  # read by the engines and, on a fresh run, the trainer ranks
+        check_safetensors(args.hf_checkpoint, "--hf-checkpoint")
     cfg = titan_config_from_args(args)
     if cfg.ray != type(cfg.ray)():  # the Titan YAML's ray section: the GRPO job's placement
         print("no effect here: the Titan YAML's ray section (ray.address, ray.*_resources): "

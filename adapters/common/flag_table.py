@@ -393,7 +393,8 @@ FLAG_TABLE: dict[str, Entry] = {
     # ---- slime / miles: rollout ---------------------------------------------------------------
     "hf_checkpoint": _acts(
         "the engines serve it and its tokenizer reads the prompts; its config.json must agree "
-        "with the model flags; the policy starts from it when there is no --load / --ref-load"
+        "with the model flags; the policy starts from it when there is no --load / --ref-load; "
+        "a weight file that cannot be read (cut short) stops the start naming it"
     ),
     "model_name": NoEffect(
         "a label for slime's / miles' HF export name mapping; Titan maps "

@@ -56,3 +56,31 @@ def test_engines_start_beside_the_trainers_where_nothing_stops_them(
 
     monkeypatch.setattr(accelerator, "get_accelerator", lambda: Device())
     assert engines_start_beside_trainers(args) is beside
+
+
+def test_a_truncated_hf_checkpoint_stops_the_driver_before_ray(tmp_path):
+    """slime's driver reads --hf-checkpoint's weight headers before it starts anything: a
+    file cut short exits 2 naming the flag and the file (before: a trainer rank's
+    safetensors traceback ~25 s later, after Ray and the trainers had started)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.adapters.test_miles import _tiny_llama, _titan_yaml
+
+    model = _tiny_llama(tmp_path / "model")
+    titan = _titan_yaml(tmp_path / "titan.yaml", model, tmp_path / "run")
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    env = {k: v for k, v in os.environ.items() if k != "TITAN_CONFIG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "adapters.slime.train", "--titan-config", str(titan),
+         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-rollout", "1",
+         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+         "--hf-checkpoint", str(model), "--save", str(tmp_path / "ckpt"),
+         "--custom-rm-path", "adapters.slime.rewards.exact_match"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert f"--hf-checkpoint: {weights} cannot be read" in proc.stderr
+    assert "Started a local Ray" not in proc.stdout + proc.stderr

@@ -343,3 +343,23 @@ def test_a_train_section_that_sets_some_keys_gets_rls_defaults_for_the_rest(tmp_
     default = load_config(GRPOConfig, None, [])
     assert partial.train.lr == 2e-4
     assert partial.train.model_dump(exclude={"lr"}) == default.train.model_dump(exclude={"lr"})
+
+
+@pytest.mark.parametrize("cut", ["header", "tensors"])
+def test_a_truncated_hf_policy_stops_the_dry_run_naming_the_file(tmp_path, capsys, cut):
+    """A weight file cut short (a copy or download that stopped) is named at the config's
+    check, not by the trainer's or the engines' load after Ray started."""
+    from tests.models.hf_cases import build_hf_model
+
+    policy = tmp_path / "hf"
+    build_hf_model("llama").save_pretrained(policy)
+    weights = policy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:1000] if cut == "header" else data[:-100])
+    args = ["--config", str(MATH), "policy.format=hf", f"policy.load={policy}",
+            f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main([*args, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"policy.load: {weights} cannot be read" in err and "copy or download it" in err
+    weights.write_bytes(data)  # the whole file: the same command plans the run
+    assert main([*args, "--dry-run"]) == 0
