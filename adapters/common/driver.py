@@ -4,10 +4,8 @@ policy the run starts from, the status line and the reward plot."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -194,25 +192,15 @@ def ray_init(args: Any) -> None:
         kwargs.update(num_gpus=need, num_cpus=max(os.cpu_count() or 1, 2 * need + 2))
     # a Ray this driver starts gets the main job's settings (no workers prestarted, workers
     # at the driver's niceness: titan_rl.placement.local_ray_settings), which Ray reads as
-    # RAY_<setting> where it starts a node; a running cluster keeps its own
+    # RAY_<setting> where it starts a node; a running cluster keeps its own. Only settings
+    # whose variable the user left unset come back, so the start's variables are just removed.
     settings = {f"RAY_{k}": json.dumps(v) for k, v in local_ray_settings().items()}
-    with _environment(settings):
-        init_ray(**kwargs)  # tried again where a busy machine misses Ray's start-up window
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment (what it starts inherits them), then gone."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    os.environ.update(settings)
     try:
-        yield
+        init_ray(**kwargs)  # tried again where a busy machine misses Ray's start-up window
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        for name in settings:
+            os.environ.pop(name, None)
 
 
 def status_line(rec: dict[str, Any], total: int) -> str:
